@@ -1,0 +1,16 @@
+"""hybrid_transfer: move a hybrid model's cache (paged KV + GDN state) from prefill to decode over NIXL.
+
+Layers, imports pointing down:
+  layout/       pure shapes and geometry of the paged hybrid cache (DESIGN 2)
+  cache         typed torch views over a rank's real pages
+  plan/         pure numpy planning of reads between ranks (DESIGN 3)
+  engine/       the only code that imports NIXL or ZeroMQ (DESIGN 4)
+  integrations/ the only code that imports vLLM
+  bench/, cli/  the microbenchmark and the command line
+"""
+
+from hybrid_transfer.errors import HybridTransferError
+from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset
+
+__all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "load_preset"]
+__version__ = "0.1.0"

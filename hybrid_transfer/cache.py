@@ -1,0 +1,172 @@
+"""A rank's paged hybrid cache over real memory, with typed views per model layer.
+
+The shared tensors are raw pages (DESIGN 2.3): an attention layer sees each
+page as ``ratio`` consecutive [K|V] kernel blocks in HND, a GDN layer sees the
+same page as [conv | ssm | padding]. The views here alias those bytes exactly,
+so what a test writes through a view is what NIXL reads from the region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from hybrid_transfer.errors import CacheShapeError, ConfigError
+from hybrid_transfer.layout.geometry import ConvLayout, ConvSegment, RankGeometry, SsmOrder
+from hybrid_transfer.layout.model import DType, LayerKind
+
+TORCH_DTYPES = {
+    DType.BF16: torch.bfloat16,
+    DType.FP16: torch.float16,
+    DType.FP32: torch.float32,
+    DType.FP8: torch.float8_e4m3fn,
+}
+
+
+class Region(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One registered memory region: a whole shared tensor."""
+
+    addr: int
+    length: int
+    device_id: int
+    is_cuda: bool = False
+
+
+class HybridCache:
+    """The ``num_tensors`` shared page arrays of one rank and typed views over them."""
+
+    def __init__(self, geometry: RankGeometry, tensors: Sequence[torch.Tensor]):
+        self.geometry = geometry
+        self._raw = [self._check_tensor(i, t) for i, t in enumerate(tensors)]
+        if len(self._raw) != geometry.num_tensors:
+            raise CacheShapeError(
+                f"expected {geometry.num_tensors} shared tensors for {geometry.model.name}, got {len(self._raw)}",
+                expected=geometry.num_tensors,
+                actual=len(self._raw),
+            )
+        sizes = {t.numel() for t in self._raw}
+        if len(sizes) != 1:
+            raise CacheShapeError(f"shared tensors differ in size: {sorted(sizes)} bytes", actual=sorted(sizes))
+        devices = {t.device for t in self._raw}
+        if len(devices) != 1:
+            raise CacheShapeError(f"shared tensors sit on several devices: {sorted(map(str, devices))}")
+        self.num_blocks = self._raw[0].numel() // geometry.page_bytes
+        self.device = self._raw[0].device
+
+    @classmethod
+    def allocate(cls, geometry: RankGeometry, num_blocks: int, device: str | torch.device = "cpu") -> HybridCache:
+        """Allocate zeroed shared tensors holding ``num_blocks`` pages each."""
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ConfigError(f"num_blocks={num_blocks!r} must be a positive integer", field="num_blocks",
+                              value=num_blocks)
+        nbytes = num_blocks * geometry.page_bytes
+        tensors = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(geometry.num_tensors)]
+        return cls(geometry, tensors)
+
+    @classmethod
+    def wrap(cls, geometry: RankGeometry, tensors: Sequence[torch.Tensor]) -> HybridCache:
+        """Use existing tensors (e.g. the ones vLLM hands a connector), one per shared tensor."""
+        return cls(geometry, tensors)
+
+    def _check_tensor(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tensor, torch.Tensor):
+            raise CacheShapeError(f"shared tensor {index} is a {type(tensor).__name__}, not a torch.Tensor")
+        if not tensor.is_contiguous():
+            raise CacheShapeError(f"shared tensor {index} is not contiguous")
+        raw = tensor.view(torch.uint8).reshape(-1) if tensor.dtype != torch.uint8 else tensor.reshape(-1)
+        page = self.geometry.page_bytes
+        if raw.numel() == 0 or raw.numel() % page:
+            raise CacheShapeError(
+                f"shared tensor {index} holds {raw.numel()} bytes, not a positive multiple of page_bytes={page}",
+                expected=page,
+                actual=raw.numel(),
+            )
+        return raw
+
+    # ---- raw memory ------------------------------------------------------
+    def raw(self, tensor_index: int) -> torch.Tensor:
+        """Shared tensor ``tensor_index`` as uint8 [num_blocks, page_bytes]."""
+        return self._raw[tensor_index].view(self.num_blocks, self.geometry.page_bytes)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self._raw)
+
+    @property
+    def regions(self) -> list[Region]:
+        """One region per shared tensor, in tensor order: what NIXL registers."""
+        dev = self.device
+        device_id = (dev.index or 0) if dev.type == "cuda" else 0
+        return [
+            Region(addr=t.data_ptr(), length=t.numel(), device_id=device_id, is_cuda=dev.type == "cuda")
+            for t in self._raw
+        ]
+
+    # ---- typed views -----------------------------------------------------
+    def _layer_raw(self, layer: int, kind: LayerKind) -> torch.Tensor:
+        model = self.geometry.model
+        if not 0 <= layer < model.num_layers:
+            raise ConfigError(f"layer={layer} out of range [0, {model.num_layers})", field="layer", value=layer)
+        if model.layer_kinds[layer] is not kind:
+            raise ConfigError(f"layer {layer} is {model.layer_kinds[layer].value}, not {kind.value}",
+                              field="layer", value=layer)
+        return self.raw(self.geometry.tensor_of(layer))
+
+    def kv(self, layer: int) -> torch.Tensor:
+        """[num_kernel_blocks, 2, heads_local, kernel_block_size, head_dim]; index 1 is K (0) or V (1)."""
+        g = self.geometry
+        raw = self._layer_raw(layer, LayerKind.ATTENTION)
+        typed = raw.view(TORCH_DTYPES[g.kv_dtype])
+        return typed.view(self.num_blocks * g.kernel_ratio, 2, g.num_kv_heads_local, g.kernel_block_size,
+                          g.model.head_dim)
+
+    def conv(self, layer: int) -> torch.Tensor:
+        """[num_blocks, conv_dim_local, w-1], channels [Q_r | K_r | V_r]; a transposed view in SD layout."""
+        g = self.geometry
+        raw = self._layer_raw(layer, LayerKind.GDN)[:, : g.conv_bytes]
+        typed = raw.view(TORCH_DTYPES[g.conv_dtype])
+        w = g.model.conv_window
+        if g.conv_layout is ConvLayout.DS:
+            return typed.view(self.num_blocks, g.conv_dim_local, w)
+        return typed.view(self.num_blocks, w, g.conv_dim_local).transpose(1, 2)
+
+    def ssm(self, layer: int) -> torch.Tensor:
+        """[num_blocks, nv_local, dv, dk] (or [.., dk, dv] in the older axis order)."""
+        g = self.geometry
+        m = g.model
+        raw = self._layer_raw(layer, LayerKind.GDN)[:, g.conv_bytes : g.conv_bytes + g.ssm_bytes]
+        typed = raw.view(TORCH_DTYPES[g.ssm_dtype])
+        inner = (
+            (m.linear_value_head_dim, m.linear_key_head_dim)
+            if g.ssm_order is SsmOrder.V_D_K
+            else (m.linear_key_head_dim, m.linear_value_head_dim)
+        )
+        return typed.view(self.num_blocks, len(g.value_heads), *inner)
+
+    # ---- byte ranges (absolute addresses) --------------------------------
+    def _check_block(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise ConfigError(f"block_id={block_id} out of range [0, {self.num_blocks})", field="block_id",
+                              value=block_id)
+
+    def kv_range(self, layer: int, block_id: int, kernel_index: int, half: int) -> tuple[int, int]:
+        """(addr, length) of the K (half 0) or V (half 1) half of one kernel block of a logical block."""
+        self._check_block(block_id)
+        g = self.geometry
+        base = self._layer_raw(layer, LayerKind.ATTENTION).data_ptr()
+        return base + g.kv_offset(block_id, kernel_index, half), g.kv_half_bytes
+
+    def conv_range(self, layer: int, block_id: int, segment: ConvSegment) -> tuple[int, int]:
+        """(addr, length) of the Q, K or V conv segment of a state block (DS layout)."""
+        self._check_block(block_id)
+        g = self.geometry
+        base = self._layer_raw(layer, LayerKind.GDN).data_ptr()
+        return base + g.conv_segment_offset(block_id, segment), g.conv_segment_bytes[int(segment)]
+
+    def ssm_range(self, layer: int, block_id: int) -> tuple[int, int]:
+        self._check_block(block_id)
+        g = self.geometry
+        base = self._layer_raw(layer, LayerKind.GDN).data_ptr()
+        return base + g.ssm_offset(block_id), g.ssm_bytes

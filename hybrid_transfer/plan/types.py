@@ -1,0 +1,115 @@
+"""Plans are data: numpy struct-of-arrays per source rank, easy to print, diff and cache."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class PlanMode(enum.Enum):
+    NAIVE = "naive"  # one descriptor per (region, kernel block, sub-region): vLLM's dual views, the baseline
+    COALESCED = "coalesced"  # every range contiguous on both sides merged
+    PACK = "pack"  # gather on the source into staging, one read, scatter on the destination
+    AUTO = "auto"  # cost model chooses
+
+
+@dataclass(frozen=True)
+class SourcePlan:
+    """The reads a consumer rank posts to one producer rank.
+
+    ``local_addr``, ``remote_addr`` and ``length`` are int64 columns of equal
+    length; row i reads ``length[i]`` bytes at ``remote_addr[i]`` on the
+    source into ``local_addr[i]`` here.
+    """
+
+    source_rank: int
+    local_addr: np.ndarray
+    remote_addr: np.ndarray
+    length: np.ndarray
+    local_device: int = 0
+    remote_device: int = 0
+
+    @property
+    def num_descriptors(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+    def local_descs(self) -> np.ndarray:
+        """C-contiguous Nx3 int64 (addr, length, device) array, the form NIXL copies without a Python loop."""
+        return _descs(self.local_addr, self.length, self.local_device)
+
+    def remote_descs(self) -> np.ndarray:
+        return _descs(self.remote_addr, self.length, self.remote_device)
+
+
+@dataclass(frozen=True)
+class PackSourcePlan:
+    """Pack mode for one source: the source gathers into staging, one read, the consumer scatters.
+
+    gather rows copy ``length`` bytes from ``gather_src`` (source memory) to
+    ``staging_offset`` in the source's staging buffer; scatter rows copy from
+    ``staging_offset`` in the consumer's staging buffer to ``scatter_dst``.
+    Both use the same staging offsets, so one read of ``total_bytes`` links them.
+    """
+
+    source_rank: int
+    gather_src: np.ndarray
+    scatter_dst: np.ndarray
+    staging_offset: np.ndarray
+    length: np.ndarray
+    local_device: int = 0
+    remote_device: int = 0
+
+    @property
+    def num_pieces(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def num_descriptors(self) -> int:
+        return 1 if self.num_pieces else 0
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass(frozen=True)
+class Notification:
+    """A producer rank this consumer must notify, and how many consumers that producer waits for."""
+
+    source_rank: int
+    expected_consumers: int
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """Everything one consumer rank does for one request."""
+
+    decode_rank: int
+    mode: PlanMode
+    sources: tuple[SourcePlan | PackSourcePlan, ...]
+    notify: tuple[Notification, ...]
+    num_tokens: int
+    expected_bytes: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.total_bytes for s in self.sources)
+
+    @property
+    def num_descriptors(self) -> int:
+        return sum(s.num_descriptors for s in self.sources)
+
+
+def _descs(addr: np.ndarray, length: np.ndarray, device: int) -> np.ndarray:
+    out = np.empty((addr.shape[0], 3), dtype=np.int64)
+    out[:, 0] = addr
+    out[:, 1] = length
+    out[:, 2] = device
+    return out
