@@ -155,6 +155,12 @@ class HybridCache:
         """(addr, length) of the K (half 0) or V (half 1) half of one kernel block of a logical block."""
         self._check_block(block_id)
         g = self.geometry
+        # Unchecked, an out-of-range kernel index or half silently names bytes of another block.
+        if not 0 <= kernel_index < g.kernel_ratio:
+            raise ConfigError(f"kernel_index={kernel_index} out of range [0, {g.kernel_ratio})",
+                              field="kernel_index", value=kernel_index)
+        if half not in (0, 1):
+            raise ConfigError(f"half={half} must be 0 (K) or 1 (V)", field="half", value=half)
         base = self._layer_raw(layer, LayerKind.ATTENTION).data_ptr()
         return base + g.kv_offset(block_id, kernel_index, half), g.kv_half_bytes
 

@@ -6,7 +6,8 @@ can act on them without parsing messages.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 class HybridTransferError(Exception):
@@ -69,3 +70,164 @@ class PlanError(HybridTransferError, ValueError):
         self.values = values
         for key, value in values.items():
             setattr(self, key, value)
+
+
+# ---- planner validation (DESIGN 3: validate before anything moves) ----------
+
+
+class TopologyError(PlanError):
+    """The two engines' TP sizes (or their fixed layout fields) cannot be mapped onto each other."""
+
+    def __init__(self, message: str, *, prefill_tp: int, decode_tp: int, **values: Any):
+        super().__init__(f"prefill TP {prefill_tp} -> decode TP {decode_tp}: {message}",
+                         prefill_tp=prefill_tp, decode_tp=decode_tp, **values)
+
+
+class GroupCountError(PlanError):
+    """A request lists block ids for the wrong number of cache groups."""
+
+    def __init__(self, *, side: str, expected: int, actual: int):
+        super().__init__(f"{side} block ids list {actual} cache groups, the cache has {expected}",
+                         side=side, expected=expected, actual=actual)
+
+
+class BlockCountError(PlanError):
+    """A group lists the wrong number of block ids for the request's token count."""
+
+    def __init__(self, *, side: str, group: int, expected: int, actual: int, at_least: bool = False):
+        need = f"at least {expected}" if at_least else f"exactly {expected}"
+        super().__init__(f"{side} group {group} lists {actual} block ids, needs {need}",
+                         side=side, group=group, expected=expected, actual=actual, at_least=at_least)
+
+
+class BlockIdError(PlanError):
+    """A block id outside [0, num_blocks) of its side."""
+
+    def __init__(self, *, side: str, group: int, block_id: int, num_blocks: int):
+        super().__init__(f"{side} group {group}: block id {block_id} is outside [0, {num_blocks})",
+                         side=side, group=group, block_id=block_id, num_blocks=num_blocks)
+
+
+class DuplicateBlockError(PlanError):
+    """A block id listed twice, within one group or across groups (the same id is the same bytes)."""
+
+    def __init__(self, *, side: str, block_id: int, groups: Sequence[int]):
+        super().__init__(f"{side} block id {block_id} is listed more than once (groups {list(groups)})",
+                         side=side, block_id=block_id, groups=tuple(groups))
+
+
+class RangeError(PlanError):
+    """A planned byte range that does not lie inside one registered region."""
+
+    def __init__(self, *, side: str, addr: int, length: int):
+        super().__init__(f"{side} range [{addr:#x}, {addr + length:#x}) ({length} B) is not inside a registered region",
+                         side=side, addr=addr, length=length)
+
+
+class OverlapError(PlanError):
+    """Two destination ranges of one plan overlap: one would overwrite the other."""
+
+    def __init__(self, *, first: tuple[int, int], second: tuple[int, int]):
+        super().__init__(f"destination ranges overlap: [{first[0]:#x}, +{first[1]}) and [{second[0]:#x}, +{second[1]})",
+                         first=first, second=second)
+
+
+class ByteCountError(PlanError):
+    """Local bytes, remote bytes and the bytes the request must move disagree."""
+
+    def __init__(self, *, local_bytes: int, remote_bytes: int, expected_bytes: int):
+        super().__init__(f"plan moves {local_bytes} B locally and {remote_bytes} B remotely, "
+                         f"the request needs {expected_bytes} B",
+                         local_bytes=local_bytes, remote_bytes=remote_bytes, expected_bytes=expected_bytes)
+
+
+class VerificationError(HybridTransferError):
+    """A destination cache does not hold the bytes a correct transfer leaves (hybrid_transfer.verify).
+
+    ``location`` decodes the first bad byte: its block and whether it is an attention K/V byte
+    (layer, global head, token), a conv byte, an ssm byte, page padding or a block the request does not hold.
+    """
+
+    def __init__(self, message: str, *, tensor_index: int, first_bad_offset: int, num_bad_bytes: int,
+                 block_id: int, location: str, expected_byte: int, actual_byte: int):
+        super().__init__(message)
+        self.tensor_index = tensor_index
+        self.first_bad_offset = first_bad_offset
+        self.num_bad_bytes = num_bad_bytes
+        self.block_id = block_id
+        self.location = location
+        self.expected_byte = expected_byte
+        self.actual_byte = actual_byte
+
+
+# ---- engine: NIXL, side channel, requests (DESIGN 4) ----------------------------
+
+
+class EngineError(HybridTransferError):
+    """A NIXL call failed; ``operation`` names it and ``agent`` the local agent (the NIXL error is the cause)."""
+
+    def __init__(self, message: str, *, operation: str, agent: str, peer: str | None = None):
+        super().__init__(f"{operation} on agent {agent!r}" + (f" (peer {peer!r})" if peer else "") + f": {message}")
+        self.operation = operation
+        self.agent = agent
+        self.peer = peer
+
+
+class WireDecodeError(HybridTransferError, ValueError):
+    """Bytes from a peer that are not a valid message of ours: garbage, truncated, unknown tag or version."""
+
+    def __init__(self, message: str, *, kind: str | None = None, version: int | None = None):
+        super().__init__(message)
+        self.kind = kind
+        self.version = version
+
+
+class HandshakeError(HybridTransferError):
+    """A producer and a consumer cannot work together; nothing was transferred.
+
+    ``differences`` lists (field, consumer value, producer value) for every equal-tier field that differs.
+    """
+
+    def __init__(self, message: str, *, address: str | None = None,
+                 differences: Sequence[tuple[str, Any, Any]] = ()):
+        self.address = address
+        self.differences = tuple(differences)
+        parts = [f"{name}: consumer={ours!r} producer={theirs!r}" for name, ours, theirs in self.differences]
+        where = f" (producer {address})" if address else ""
+        super().__init__(f"handshake failed{where}: {message}" + (": " + "; ".join(parts) if parts else ""))
+
+
+class HandshakeTimeout(HandshakeError):
+    """A producer rank did not answer the handshake within ``timeout_s``."""
+
+    def __init__(self, *, address: str, timeout_s: float):
+        super().__init__(f"no reply within {timeout_s} s", address=address)
+        self.timeout_s = timeout_s
+
+
+class TicketError(HybridTransferError, ValueError):
+    """A ticket the consumer refuses before any byte moves."""
+
+    def __init__(self, message: str, *, request_id: str, **values: Any):
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+        self.values = values
+        for key, value in values.items():
+            setattr(self, key, value)
+
+
+class StatePositionError(TicketError):
+    """The ticket's recurrent-state position is not the one the caller expects (the N-1 contract)."""
+
+    def __init__(self, *, request_id: str, expected: int, actual: int):
+        super().__init__(f"ticket carries state position {actual}, the caller expects {expected}",
+                         request_id=request_id, expected=expected, actual=actual)
+
+
+class RequestStateError(HybridTransferError):
+    """A request id used against its lifecycle: held or read twice, unknown, or an illegal state change."""
+
+    def __init__(self, message: str, *, request_id: str, state: str | None = None):
+        super().__init__(f"request {request_id!r}: {message}")
+        self.request_id = request_id
+        self.state = state

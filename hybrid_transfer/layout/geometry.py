@@ -13,7 +13,7 @@ from functools import cached_property
 import msgspec
 
 from hybrid_transfer.errors import ConfigError, ShardingError
-from hybrid_transfer.layout.model import DType, LayerKind, ModelSpec
+from hybrid_transfer.layout.model import DType, ModelSpec
 from hybrid_transfer.layout.tensor_map import TensorMap, build_tensor_map
 
 DEFAULT_ALIGNMENT = 16  # FlashAttention's smallest kernel block
@@ -189,7 +189,9 @@ class RankGeometry:
 
     @property
     def kernel_block_size(self) -> int:
-        return self.options.kernel_block_size or self.block_size
+        # `is None`, not `or`: an explicit 0 must reach the check in _check_block_sizes, not mean "default".
+        kbs = self.options.kernel_block_size
+        return self.block_size if kbs is None else kbs
 
     @property
     def kernel_ratio(self) -> int:
@@ -289,6 +291,15 @@ class RankGeometry:
             raise ConfigError(
                 f"block_size={self.block_size} gives page_bytes={self.page_bytes}, too small for the "
                 f"{self.state_page_bytes}-byte GDN state page",
+                field="block_size",
+                value=self.block_size,
+            )
+        if self.has_gdn and self.page_bytes % max(self.ssm_dtype.itemsize, self.conv_itemsize):
+            # Typed views step from page to page; a page size that is not a whole number of
+            # state elements cannot be viewed as conv / ssm arrays.
+            raise ConfigError(
+                f"block_size={self.block_size} gives page_bytes={self.page_bytes}, not a whole number of "
+                f"{self.conv_dtype.value} conv / {self.ssm_dtype.value} ssm elements",
                 field="block_size",
                 value=self.block_size,
             )

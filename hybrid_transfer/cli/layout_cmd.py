@@ -1,0 +1,105 @@
+"""`hybrid-transfer layout`: print a model's per-rank cache geometry at one TP size."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from hybrid_transfer.layout import (
+    CacheOptions,
+    DType,
+    ModelSpec,
+    RankGeometry,
+    load_config_file,
+    load_preset,
+    preset_names,
+)
+from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
+
+_KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
+_MIB = 1 << 20
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "layout",
+        help="show the per-rank cache layout of a model at a TP size",
+        description=(
+            "Per-rank geometry of the paged hybrid cache (DESIGN 2): KV heads, bytes per token per "
+            "full-attention layer, conv / ssm bytes per GDN layer, state bytes per request, block size, "
+            "page bytes and number of shared tensors. With --json, one JSON object: the figures of "
+            "--rank (default 0) at top level and a 'ranks' list of the ranks shown."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", metavar="NAME", help=f"shipped preset: {', '.join(preset_names())}")
+    source.add_argument("--config", metavar="PATH", help="a model's own config.json (flat or with text_config)")
+    parser.add_argument("--tp", type=int, required=True, metavar="T", help="tensor-parallel size")
+    parser.add_argument("--rank", type=int, default=None, metavar="R", help="show only this TP rank; None shows every rank")
+    parser.add_argument("--kv-dtype", choices=sorted(_KV_DTYPES), default=None,
+                        help="KV cache dtype; None means the model dtype")
+    parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, metavar="A",
+                        help="block size alignment in tokens for page-size unification")
+    parser.add_argument("--kernel-block-size", type=int, default=None, metavar="K",
+                        help="attention kernel block size in tokens; None means the logical block size")
+    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_preset(args.preset) if args.preset is not None else load_config_file(args.config)
+    options = CacheOptions(
+        kv_dtype=_KV_DTYPES[args.kv_dtype] if args.kv_dtype else None,
+        alignment=args.alignment,
+        kernel_block_size=args.kernel_block_size,
+    )
+    ranks = rank_figures(model, args.tp, options, args.rank)
+    if args.json:
+        print(json.dumps({**ranks[0], "ranks": ranks}, indent=2))
+    else:
+        print(render_table(model, ranks))
+    return 0
+
+
+def rank_figures(model: ModelSpec, tp_size: int, options: CacheOptions, tp_rank: int | None) -> list[dict]:
+    """RankGeometry.describe() of one rank, or of every rank when ``tp_rank`` is None."""
+    # Validate TP size and rank once up front: a bad --tp (0, negative) must be a typed error, not an empty list.
+    RankGeometry(model, tp_size, 0 if tp_rank is None else tp_rank, options)
+    ranks = range(tp_size) if tp_rank is None else [tp_rank]
+    figures = []
+    for r in ranks:
+        d = RankGeometry(model, tp_size, r, options).describe()
+        d["state_mib_per_request"] = round(d["state_bytes_per_request"] / _MIB, 2)  # type: ignore[operator]
+        figures.append(d)
+    return figures
+
+
+def render_table(model: ModelSpec, ranks: list[dict]) -> str:
+    first = ranks[0]
+    header = (
+        f"{model.name}: {model.num_layers} layers ({first['num_fa_layers']} full attention, "
+        f"{first['num_gdn_layers']} GDN), TP {first['tp_size']}, KV {first['kv_dtype']}, "
+        f"ssm {first['ssm_dtype']}, conv layout {first['conv_layout']}, "
+        f"kernel block {first['kernel_block_size']} (ratio {first['kernel_ratio']})"
+    )
+    columns = ("rank", "KV heads", "KV B/token/FA layer", "conv B/GDN layer", "ssm B/GDN layer",
+               "state B/request", "state MiB", "block tokens", "page B", "tensors")
+    rows = [columns]
+    for d in ranks:
+        lo, hi = d["kv_heads"]
+        heads = f"{lo}" if hi - lo == 1 else f"{lo}-{hi - 1}"
+        if d["kv_heads_replicated"]:
+            heads += " (repl.)"
+        rows.append((
+            str(d["tp_rank"]), heads, f"{d['kv_bytes_per_token']:,}", f"{d['conv_bytes']:,}",
+            f"{d['ssm_bytes']:,}", f"{d['state_bytes_per_request']:,}", f"{d['state_mib_per_request']:.2f}",
+            f"{d['block_size']:,}", f"{d['page_bytes']:,}", str(d["num_tensors"]),
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = [header, ""]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,135 @@
+"""`hybrid-transfer plan`: dry-run the planner for one request between two engines (no memory, no NIXL)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import numpy as np
+
+from hybrid_transfer.layout import CacheOptions, DType, ModelSpec, load_config_file, load_preset, preset_names
+from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
+from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
+from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan
+
+_KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
+_POOL_FACTOR = 4  # block pool per side: this many times the blocks a request needs, so shuffles have room
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="show the reads each decode rank posts for one request",
+        description=(
+            "Plan one request from a prefill engine to a decode engine over fake addresses and print, per "
+            "decode rank, the source ranks, bytes and descriptors per source, and totals. With --json, only "
+            "a JSON list on stdout: one object per decode rank with decode_rank, total_bytes, descriptors, "
+            "sources [{rank, bytes, descriptors, pieces, mode}], mode, notify, expected_bytes."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", metavar="NAME", help=f"shipped preset: {', '.join(preset_names())}")
+    source.add_argument("--config", metavar="PATH", help="a model's own config.json (flat or with text_config)")
+    parser.add_argument("--prefill-tp", type=int, required=True, metavar="P", help="prefill (producer) TP size")
+    parser.add_argument("--decode-tp", type=int, required=True, metavar="D", help="decode (consumer) TP size")
+    parser.add_argument("--decode-rank", type=int, default=None, metavar="R",
+                        help="plan only this decode rank; None plans every decode rank")
+    parser.add_argument("--tokens", type=int, required=True, metavar="N", help="tokens whose KV moves")
+    parser.add_argument("--mode", choices=[m.value for m in PlanMode], default=PlanMode.COALESCED.value,
+                        help="naive (vLLM-style baseline), coalesced, pack, or auto (cost model)")
+    parser.add_argument("--fragmentation", type=float, default=0.0, metavar="F",
+                        help="share of block ids replaced by random free ids (0: contiguous, 1: shuffled)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for fragmented block ids")
+    parser.add_argument("--kv-dtype", choices=sorted(_KV_DTYPES), default=None,
+                        help="KV cache dtype on both sides; None means the model dtype")
+    parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, metavar="A",
+                        help="block size alignment in tokens for page-size unification")
+    for side in ("prefill", "decode"):
+        parser.add_argument(f"--{side}-block-size", type=int, default=None, metavar="B",
+                            help=f"{side} logical block size in tokens; None derives it (page-size unification)")
+        parser.add_argument(f"--{side}-kernel-block-size", type=int, default=None, metavar="K",
+                            help=f"{side} attention kernel block size; None means the logical block size")
+    parser.add_argument("--json", action="store_true", help="print only a JSON list on stdout")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_preset(args.preset) if args.preset is not None else load_config_file(args.config)
+    kv_dtype = _KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
+    prefill = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.prefill_block_size,
+                           kernel_block_size=args.prefill_kernel_block_size)
+    decode = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.decode_block_size,
+                          kernel_block_size=args.decode_kernel_block_size)
+    plans = plan_all(model, args.prefill_tp, args.decode_tp, prefill, decode, args.tokens, PlanMode(args.mode),
+                     args.fragmentation, args.seed, args.decode_rank)
+    if args.json:
+        print(json.dumps([plan_summary(p) for p in plans], indent=2))
+    else:
+        header = (f"{model.name}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {args.tokens} tokens, "
+                  f"mode {args.mode}, fragmentation {args.fragmentation}")
+        print(render_table(header, plans))
+    return 0
+
+
+def plan_all(model: ModelSpec, prefill_tp: int, decode_tp: int, prefill: CacheOptions, decode: CacheOptions,
+             num_tokens: int, mode: PlanMode, fragmentation: float, seed: int,
+             decode_rank: int | None = None) -> list[ReadPlan]:
+    """Plans of one request for every decode rank (or one), over fake engines with block pools to spare."""
+    rng = np.random.default_rng(seed)
+    probe_p = fake_engine(model, prefill_tp, prefill, 1)[0]
+    probe_d = fake_engine(model, decode_tp, decode, 1)[0]
+    counts_p = blocks_needed(model, probe_p.block_size, num_tokens)
+    counts_d = blocks_needed(model, probe_d.block_size, num_tokens)
+    pool_p = _POOL_FACTOR * sum(counts_p) + 8
+    pool_d = _POOL_FACTOR * sum(counts_d) + 8
+    producers = fake_engine(model, prefill_tp, prefill, pool_p, engine_index=0)
+    consumers = fake_engine(model, decode_tp, decode, pool_d, engine_index=1)
+    remote_ids = make_block_ids(counts_p, pool_p, fragmentation, rng)
+    local_ids = make_block_ids(counts_d, pool_d, fragmentation, rng)
+    ranks = range(decode_tp) if decode_rank is None else [decode_rank]
+    return [Planner(model, consumers[r], producers).plan(local_ids, remote_ids, num_tokens, mode) for r in ranks]
+
+
+def plan_summary(plan: ReadPlan) -> dict:
+    """The JSON object of one decode rank."""
+    sources = []
+    for src in plan.sources:
+        sources.append({
+            "rank": src.source_rank,
+            "bytes": src.total_bytes,
+            "descriptors": src.num_descriptors,
+            "pieces": src.num_pieces if isinstance(src, PackSourcePlan) else src.num_descriptors,
+            "mode": plan.meta.get("source_modes", {}).get(src.source_rank, plan.mode.value),
+        })
+    return {
+        "decode_rank": plan.decode_rank,
+        "mode": plan.mode.value,
+        "num_tokens": plan.num_tokens,
+        "total_bytes": plan.total_bytes,
+        "expected_bytes": plan.expected_bytes,
+        "descriptors": plan.num_descriptors,
+        "sources": sources,
+        "notify": [{"rank": n.source_rank, "expected_consumers": n.expected_consumers} for n in plan.notify],
+    }
+
+
+def render_table(header: str, plans: list[ReadPlan]) -> str:
+    columns = ("decode rank", "source", "mode", "bytes", "descriptors", "pieces", "notify (rank:expects)")
+    rows = [columns]
+    for plan in plans:
+        s = plan_summary(plan)
+        notify = " ".join(f"{n['rank']}:{n['expected_consumers']}" for n in s["notify"])
+        for src in s["sources"]:
+            rows.append((str(s["decode_rank"]), str(src["rank"]), src["mode"], f"{src['bytes']:,}",
+                         f"{src['descriptors']:,}", f"{src['pieces']:,}", ""))
+        rows.append((str(s["decode_rank"]), "total", s["mode"], f"{s['total_bytes']:,}", f"{s['descriptors']:,}",
+                     "", notify))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
+    lines = [header, ""]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,85 @@
+"""The engine's one configuration struct, with documented defaults, validated at start.
+
+Progress thread (DESIGN 7), measured with ``benchmarks/progress_thread.py``:
+FIGURES_PLACEHOLDER
+
+Descriptor preparation, measured with ``benchmarks/prep_strategy.py``:
+PREP_PLACEHOLDER
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+import msgspec
+
+from hybrid_transfer.errors import ConfigError
+from hybrid_transfer.plan.types import PlanMode
+
+
+class ProgressPolicy(enum.Enum):
+    """Who drives NIXL's (UCX's) progress engine."""
+
+    OFF = "off"  # no NIXL thread: every poll() progresses the agent (a target that never polls stalls a first READ)
+    ON_WITH_DELAY = "on"  # NIXL's own thread, sleeping progress_delay_us between rounds (0: busy-spins a core)
+
+
+class PrepStrategy(enum.Enum):
+    """How a plan's Nx3 descriptor arrays become a NIXL transfer."""
+
+    DIRECT = "direct"  # initialize_xfer on the plan's arrays: no prepared-list round trip
+    PREPPED = "prepped"  # prep_xfer_dlist per request + make_prepped_xfer over all indices (NIXL may merge)
+
+
+_EXECUTABLE_MODES = (PlanMode.COALESCED, PlanMode.NAIVE)
+
+
+class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Settings shared by producers and consumers; every field has a default that works on loopback.
+
+    side_channel_host / side_channel_port: where a producer's handshake listener binds (port 0 picks a
+        free port; read it back from ``Producer.address``).
+    handshake_timeout_s: how long a consumer waits for every rank of a producer engine to answer.
+    read_deadline_s: how long a consumer request may wait for handshakes and its READs before it fails.
+    lease_s: how long a producer pins a request's blocks, on its own clock; carried in tickets
+        (enforcement and heartbeats come with the lifecycle work, issue 5).
+    progress: who progresses NIXL; see the measured figures in this module's docstring.
+    progress_delay_us: sleep of NIXL's progress thread between rounds (ON_WITH_DELAY only).
+    num_backend_threads: UCX backend worker threads (0: NIXL's default).
+    mode: plan mode of the consumer's reads (pack execution is not implemented yet).
+    prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
+    """
+
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0
+    handshake_timeout_s: float = 10.0
+    read_deadline_s: float = 60.0
+    lease_s: float = 120.0
+    progress: ProgressPolicy = ProgressPolicy.ON_WITH_DELAY
+    progress_delay_us: int = 1000
+    num_backend_threads: int = 0
+    mode: PlanMode = PlanMode.COALESCED
+    prep: PrepStrategy = PrepStrategy.DIRECT
+
+    def validate(self) -> EngineConfig:
+        """Return self, or raise ConfigError naming the first bad field."""
+        if not isinstance(self.side_channel_host, str) or not self.side_channel_host:
+            _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
+        if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
+            _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
+        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                _bad(name, value, "must be a positive, finite number of seconds")
+        if not isinstance(self.progress_delay_us, int) or self.progress_delay_us < 0:
+            _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
+        if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
+            _bad("num_backend_threads", self.num_backend_threads, "must be a non-negative integer")
+        if self.mode not in _EXECUTABLE_MODES:
+            _bad("mode", self.mode.value, f"is not executable yet; use one of {[m.value for m in _EXECUTABLE_MODES]}")
+        return self
+
+
+def _bad(field: str, value: object, why: str) -> None:
+    raise ConfigError(f"EngineConfig.{field}={value!r} {why}", field=field, value=value)

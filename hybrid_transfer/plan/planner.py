@@ -1,0 +1,276 @@
+"""The planner: one consumer rank's reads from one producer engine, per request (DESIGN 3).
+
+Build a Planner once per (local rank, remote engine) from the handshake's
+RankDescriptors; it checks the topology and precomputes per-source templates.
+Each ``plan()`` call then does block-id arithmetic, a vectorised merge over the
+pieces of one shared tensor, and a broadcast over the tensors' base addresses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
+from hybrid_transfer.layout.geometry import RankGeometry
+from hybrid_transfer.layout.model import LayerKind, ModelSpec
+from hybrid_transfer.plan.cost import CostModel
+from hybrid_transfer.plan.merge import merge_ranges
+from hybrid_transfer.plan.pieces import (
+    Pieces,
+    SegmentFrame,
+    broadcast_tensors,
+    concat,
+    kv_pieces,
+    segment_frame,
+    segment_offsets,
+    state_pieces,
+)
+from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
+from hybrid_transfer.plan.templates import SourceTemplate, assign_kv_heads, kv_template, state_template
+from hybrid_transfer.plan.topology import Topology
+from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan, SourcePlan
+from hybrid_transfer.plan.validate import (
+    RegionTable,
+    block_id_arrays,
+    validate_block_ids,
+    validate_plan,
+)
+
+_FRAME_CACHE_SIZE = 64
+_EQUAL_FIELDS = ("kv_dtype", "ssm_dtype", "conv_layout", "ssm_order")
+
+
+class Planner:
+    """Plans one consumer rank's reads of a request's cache from the ranks of one producer engine.
+
+    Args:
+        model: the model both engines serve.
+        local: this consumer rank's descriptor.
+        remotes: every rank of the producer engine, index == tp_rank.
+        cost: cost model for ``PlanMode.AUTO`` (defaults: DESIGN 8 H200 figures).
+
+    Raises:
+        TopologyError: the TP sizes cannot be mapped, or the remote list is malformed.
+        FingerprintMismatch: the two sides differ in a field that must be equal (dtypes, layouts).
+        PlanError: a descriptor disagrees with its own geometry.
+    """
+
+    def __init__(self, model: ModelSpec, local: RankDescriptor, remotes: Sequence[RankDescriptor], *,
+                 cost: CostModel | None = None):
+        self.model = model
+        self.cost = cost or CostModel()
+        self.local_desc = local
+        self.remote_descs = tuple(remotes)
+        self.local = geometry_from_descriptor(model, local)
+        prefill_tp = self._check_remotes(local.tp_size)
+        self.topology = Topology(prefill_tp=prefill_tp, decode_tp=local.tp_size, decode_rank=local.tp_rank)
+        # Every remote descriptor is checked against its geometry, not only the ones this rank reads.
+        all_geos = [geometry_from_descriptor(model, d) for d in self.remote_descs]
+        geos = {s: all_geos[s] for s in self.topology.sources}
+        self._check_equal_fields(geos)
+        self.remote = geos[self.topology.sources[0]]  # block sizes are equal across the engine
+        pairs = assign_kv_heads(self.local, geos)
+        self.templates: tuple[SourceTemplate, ...] = tuple(
+            SourceTemplate(
+                source_rank=s,
+                geometry=geos[s],
+                kv=kv_template(self.local, geos[s], pairs[s]),
+                state=state_template(self.local, geos[s]),
+                tensor_addrs=np.asarray(self.remote_descs[s].tensor_addrs, dtype=np.int64),
+                device_id=self.remote_descs[s].device_id,
+                num_blocks=self.remote_descs[s].num_blocks,
+            )
+            for s in self.topology.sources
+        )
+        self._check_state_coverage()
+        self._local_base = np.asarray(local.tensor_addrs, dtype=np.int64)
+        self._local_regions = RegionTable(local.tensor_addrs, local.region_bytes)
+        self._remote_regions = {t.source_rank: RegionTable(self.remote_descs[t.source_rank].tensor_addrs,
+                                                           self.remote_descs[t.source_rank].region_bytes)
+                                for t in self.templates}
+        self._remote_num_blocks = min(t.num_blocks for t in self.templates)
+        groups = self.local.tensor_map.groups
+        self._kinds = tuple(g.kind for g in groups)
+        self._attn_groups = tuple(i for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION)
+        self._gdn_groups = np.array([i for i, g in enumerate(groups) if g.kind is LayerKind.GDN], dtype=np.int64)
+        self._frames: dict[int, SegmentFrame] = {}
+        self._local_page = self.local.page_bytes
+        self._remote_page = self.remote.page_bytes
+        self._kv_bytes_per_token = self.local.kv_bytes_per_token * len(model.attention_layers)
+        self._state_bytes = self.local.state_bytes_per_request
+
+    # ---- construction checks -------------------------------------------------
+    def _check_remotes(self, decode_tp: int) -> int:
+        if not self.remote_descs:
+            raise TopologyError("the producer engine lists no ranks", prefill_tp=0, decode_tp=decode_tp)
+        prefill_tp = self.remote_descs[0].tp_size
+        ranks = [d.tp_rank for d in self.remote_descs]
+        sizes = {d.tp_size for d in self.remote_descs}
+        if sizes != {prefill_tp} or ranks != list(range(prefill_tp)):
+            raise TopologyError(f"remote descriptors must be every rank of one engine in order, got ranks {ranks} "
+                                f"of TP sizes {sorted(sizes)}", prefill_tp=prefill_tp, decode_tp=decode_tp,
+                                ranks=ranks)
+        for name in ("block_size", "kernel_block_size"):
+            values = {getattr(d, name) for d in self.remote_descs}
+            if len(values) != 1:
+                raise TopologyError(f"remote ranks disagree on {name}: {sorted(values)}", prefill_tp=prefill_tp,
+                                    decode_tp=decode_tp, field=name)
+        return prefill_tp
+
+    def _check_equal_fields(self, geos: dict[int, RankGeometry]) -> None:
+        diffs = []
+        for name in _EQUAL_FIELDS:
+            ours = getattr(self.local_desc, name)
+            for s in geos:
+                theirs = getattr(self.remote_descs[s], name)
+                if theirs != ours:
+                    diffs.append((name, ours, theirs))
+                    break
+        if diffs:
+            raise FingerprintMismatch(diffs)
+
+    def _check_state_coverage(self) -> None:
+        if not self.local.has_gdn:
+            return
+        got = sum(int(t.state.length.sum()) for t in self.templates)
+        if got != self.local.state_page_bytes:
+            raise TopologyError(f"sources {list(self.topology.sources)} cover {got} of the "
+                                f"{self.local.state_page_bytes} state bytes of a page",
+                                prefill_tp=self.topology.prefill_tp, decode_tp=self.topology.decode_tp)
+
+    # ---- per request ---------------------------------------------------------
+    @property
+    def notify(self):
+        return self.topology.notify
+
+    def expected_bytes(self, num_tokens: int) -> int:
+        """Bytes this rank receives for a request (``validate.expected_bytes``, precomputed)."""
+        return num_tokens * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
+
+    def plan(self, local_block_ids: Sequence[Sequence[int]], remote_block_ids: Sequence[Sequence[int]],
+             num_tokens: int, mode: PlanMode = PlanMode.COALESCED, *, validate: bool = True) -> ReadPlan:
+        """Plan one request: block ids per cache group (tensor_map.groups order) on each side.
+
+        Raises:
+            PlanError and its subclasses (GroupCountError, BlockCountError, BlockIdError,
+            DuplicateBlockError, RangeError, OverlapError, ByteCountError) when ``validate``.
+        """
+        mode = PlanMode(mode)
+        if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+            raise PlanError(f"num_tokens={num_tokens!r} must be a non-negative integer", num_tokens=num_tokens)
+        num_tokens = int(num_tokens)
+        num_groups = len(self._kinds)
+        local_ids = block_id_arrays("local", local_block_ids, num_groups)
+        remote_ids = block_id_arrays("remote", remote_block_ids, num_groups)
+        if validate:
+            validate_block_ids("local", local_ids, self._kinds, num_tokens, self.local.block_size,
+                               self.local_desc.num_blocks, exact=False)
+            validate_block_ids("remote", remote_ids, self._kinds, num_tokens, self.remote.block_size,
+                               self._remote_num_blocks, exact=True)
+        sources: list[SourcePlan | PackSourcePlan] = []
+        source_modes: dict[int, str] = {}
+        if num_tokens > 0:
+            request = self._request_offsets(num_tokens, local_ids, remote_ids)
+            for tpl in self.templates:
+                built = self._source_plan(tpl, request, mode)
+                if built is not None:
+                    sources.append(built)
+                    source_modes[tpl.source_rank] = (
+                        PlanMode.PACK if isinstance(built, PackSourcePlan) else
+                        PlanMode.NAIVE if mode is PlanMode.NAIVE else PlanMode.COALESCED).value
+        plan = ReadPlan(
+            decode_rank=self.local.tp_rank,
+            mode=mode,
+            sources=tuple(sources),
+            notify=self.topology.notify,
+            num_tokens=num_tokens,
+            expected_bytes=self.expected_bytes(num_tokens),
+            meta={"source_modes": source_modes},
+        )
+        if validate:
+            validate_plan(plan, self._local_regions, self._remote_regions)
+        return plan
+
+    def pack_plan(self, source_rank: int, local_block_ids: Sequence[Sequence[int]],
+                  remote_block_ids: Sequence[Sequence[int]], num_tokens: int, *,
+                  validate: bool = True) -> PackSourcePlan:
+        """The pack plan of one source, as the producer computes it for this consumer rank.
+
+        A producer builds ``Planner(model, consumer_desc, own_engine_descs)`` from the handshake and calls this
+        for its own rank: ``gather_src`` are its addresses, ``scatter_dst`` the consumer's, and the staging
+        offsets (canonical order: ascending source address) are the ones the consumer computes.
+        """
+        if source_rank not in self.topology.sources:
+            raise PlanError(f"decode rank {self.local.tp_rank} never reads from source rank {source_rank} "
+                            f"(sources {list(self.topology.sources)})", source_rank=source_rank)
+        plan = self.plan(local_block_ids, remote_block_ids, num_tokens, PlanMode.PACK, validate=validate)
+        for src in plan.sources:
+            if src.source_rank == source_rank:
+                return src  # type: ignore[return-value]
+        e = np.empty(0, dtype=np.int64)
+        return PackSourcePlan(source_rank, e, e, e, e, self.local_desc.device_id,
+                              self.remote_descs[source_rank].device_id)
+
+    def _frame(self, num_tokens: int) -> SegmentFrame:
+        frame = self._frames.get(num_tokens)
+        if frame is None:
+            if len(self._frames) >= _FRAME_CACHE_SIZE:
+                self._frames.pop(next(iter(self._frames)))
+            frame = self._frames[num_tokens] = segment_frame(num_tokens, self.local, self.remote)
+        return frame
+
+    def _request_offsets(self, num_tokens: int, local_ids: list[np.ndarray],
+                         remote_ids: list[np.ndarray]) -> _RequestOffsets:
+        """Block-id arithmetic shared by every source (one remote engine: one page size, one block size)."""
+        frame = self._frame(num_tokens)
+        lp, rp = self._local_page, self._remote_page
+        kv = [(g, *segment_offsets(frame, local_ids[g], remote_ids[g], lp, rp)) for g in self._attn_groups]
+        if self._gdn_groups.shape[0]:
+            gdn_l = np.concatenate([local_ids[g] for g in self._gdn_groups])
+            gdn_r = np.concatenate([remote_ids[g] for g in self._gdn_groups])
+        else:
+            gdn_l = gdn_r = np.empty(0, dtype=np.int64)
+        return _RequestOffsets(frame, kv, gdn_l, gdn_r)
+
+    def _source_plan(self, tpl: SourceTemplate, req: _RequestOffsets,
+                     mode: PlanMode) -> SourcePlan | PackSourcePlan | None:
+        naive = mode is PlanMode.NAIVE
+        parts: list[Pieces] = []
+        if not tpl.kv.is_empty:
+            for g, seg_l, seg_r in req.kv:
+                parts.append(kv_pieces(req.frame, tpl.kv, seg_l, seg_r, g, naive))
+        if not tpl.state.is_empty and req.gdn_local.shape[0]:
+            parts.append(state_pieces(tpl.state, req.gdn_local, req.gdn_remote, self._local_page,
+                                      self._remote_page, self._gdn_groups, naive))
+        if not parts:
+            return None
+        pieces = concat(parts, naive)
+        rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
+        loc, rem, length = broadcast_tensors(self._local_base, tpl.tensor_addrs, rel_l, rel_r, rel_len)
+        ld, rd = self.local_desc.device_id, tpl.device_id
+        if mode is PlanMode.PACK or (mode is PlanMode.AUTO and
+                                     self.cost.choose(length.shape[0], int(length.sum())) is PlanMode.PACK):
+            return to_pack(tpl.source_rank, loc, rem, length, ld, rd)
+        return SourcePlan(tpl.source_rank, loc, rem, length, ld, rd)
+
+
+@dataclass(frozen=True)
+class _RequestOffsets:
+    frame: SegmentFrame
+    kv: list[tuple[int, np.ndarray, np.ndarray]]  # (attention group, segment starts local, remote)
+    gdn_local: np.ndarray  # one block per GDN group, in group order
+    gdn_remote: np.ndarray
+
+
+def to_pack(source_rank: int, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
+            local_device: int = 0, remote_device: int = 0) -> PackSourcePlan:
+    """Pack form of direct rows: canonical order is ascending source address; staging offsets are a prefix sum."""
+    order = np.argsort(remote_addr, kind="stable")
+    ln = length[order]
+    staging = np.zeros_like(ln)
+    np.cumsum(ln[:-1], out=staging[1:])
+    return PackSourcePlan(source_rank, remote_addr[order], local_addr[order], staging, ln, local_device,
+                          remote_device)

@@ -1,0 +1,147 @@
+"""Validation before anything moves (DESIGN 3): request block ids, then the finished plan's ranges and bytes.
+
+The plan checks do not trust the planner: every range is looked up in the
+registered regions, destinations are checked for overlap across all sources,
+and the bytes are compared with a figure computed from the local geometry alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from hybrid_transfer.errors import (
+    BlockCountError,
+    BlockIdError,
+    ByteCountError,
+    DuplicateBlockError,
+    GroupCountError,
+    OverlapError,
+    PlanError,
+    RangeError,
+)
+from hybrid_transfer.layout.geometry import RankGeometry
+from hybrid_transfer.layout.model import LayerKind
+from hybrid_transfer.plan.types import PackSourcePlan, ReadPlan, SourcePlan
+
+
+def expected_bytes(local: RankGeometry, num_tokens: int) -> int:
+    """Bytes a consumer rank receives for a request: its KV heads for every token and FA layer, plus its state.
+
+    A replicated KV head (TP > K) is still one full head per rank, so ``kv_bytes_per_token`` is right on both sides.
+    """
+    kv = num_tokens * local.kv_bytes_per_token * len(local.model.attention_layers)
+    return kv + (local.state_bytes_per_request if num_tokens > 0 else 0)
+
+
+def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: int) -> list[np.ndarray]:
+    """Per-group int64 arrays; rejects a wrong group count and non-integer ids."""
+    if len(block_ids) != num_groups:
+        raise GroupCountError(side=side, expected=num_groups, actual=len(block_ids))
+    out = []
+    for group, ids in enumerate(block_ids):
+        arr = np.asarray(ids)
+        if arr.size == 0:
+            arr = np.empty(0, dtype=np.int64)
+        elif arr.ndim != 1 or arr.dtype.kind not in "iu":
+            raise PlanError(f"{side} group {group}: block ids must be a flat list of integers, got {ids!r}",
+                            side=side, group=group, block_ids=ids)
+        out.append(arr.astype(np.int64, copy=False))
+    return out
+
+
+def validate_block_ids(side: str, ids: Sequence[np.ndarray], kinds: Sequence[LayerKind], num_tokens: int,
+                       block_size: int, num_blocks: int, *, exact: bool) -> None:
+    """List lengths (DESIGN 3 token rules), id range, uniqueness within and across groups.
+
+    ``exact``: the attention list must cover exactly ceil(num_tokens / block_size) blocks
+    (the producer side); otherwise at least that many (the consumer may hold extra blocks).
+    """
+    need = -(-num_tokens // block_size)
+    for group, (arr, kind) in enumerate(zip(ids, kinds, strict=True)):
+        n = arr.shape[0]
+        if kind is LayerKind.GDN:
+            if n != 1:
+                raise BlockCountError(side=side, group=group, expected=1, actual=n)
+        elif (n != need) if exact else (n < need):
+            raise BlockCountError(side=side, group=group, expected=need, actual=n, at_least=not exact)
+    flat = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+    if flat.shape[0] == 0:
+        return
+    srt = np.sort(flat)
+    if srt[0] < 0 or srt[-1] >= num_blocks:
+        for group, arr in enumerate(ids):
+            bad = arr[(arr < 0) | (arr >= num_blocks)]
+            if bad.shape[0]:
+                raise BlockIdError(side=side, group=group, block_id=int(bad[0]), num_blocks=num_blocks)
+    dup = np.flatnonzero(srt[1:] == srt[:-1])
+    if dup.shape[0]:
+        block_id = int(srt[dup[0]])
+        groups = [g for g, arr in enumerate(ids) for b in arr.tolist() if b == block_id]
+        raise DuplicateBlockError(side=side, block_id=block_id, groups=groups)
+
+
+class RegionTable:
+    """Registered regions of one rank (start address, length), for vectorised containment checks."""
+
+    def __init__(self, addrs: Sequence[int], lengths: Sequence[int] | int):
+        starts = np.asarray(addrs, dtype=np.int64)
+        lens = np.broadcast_to(np.asarray(lengths, dtype=np.int64), starts.shape)
+        order = np.argsort(starts)
+        self.starts = starts[order]
+        self.ends = self.starts + lens[order]
+
+    def check(self, side: str, addr: np.ndarray, length: np.ndarray) -> None:
+        """Every [addr, addr+length) lies inside one region and is non-empty.
+
+        Raises:
+            RangeError: naming the first offending range.
+        """
+        if addr.shape[0] == 0:
+            return
+        idx = np.searchsorted(self.starts, addr, side="right") - 1
+        ok = (idx >= 0) & (length > 0)
+        ok &= addr + length <= self.ends[np.maximum(idx, 0)]
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise RangeError(side=side, addr=int(addr[i]), length=int(length[i]))
+
+
+def validate_plan(plan: ReadPlan, local_regions: RegionTable, remote_regions: Mapping[int, RegionTable]) -> None:
+    """Ranges inside registered regions on both sides, no overlapping destinations, bytes as expected.
+
+    Raises:
+        RangeError, OverlapError, ByteCountError.
+    """
+    dst_addr, dst_len = [], []
+    local_bytes = remote_bytes = 0
+    for src in plan.sources:
+        if isinstance(src, SourcePlan):
+            local, remote, length = src.local_addr, src.remote_addr, src.length
+        elif isinstance(src, PackSourcePlan):
+            local, remote, length = src.scatter_dst, src.gather_src, src.length
+        else:
+            raise PlanError(f"unknown source plan type {type(src).__name__}", source=src)
+        table = remote_regions.get(src.source_rank)
+        if table is None:
+            raise PlanError(f"plan reads from source rank {src.source_rank}, which has no registered regions",
+                            source_rank=src.source_rank)
+        table.check(f"remote rank {src.source_rank}", remote, length)
+        dst_addr.append(local)
+        dst_len.append(length)
+        nbytes = int(length.sum())
+        local_bytes += nbytes
+        remote_bytes += nbytes  # one length column serves both sides
+    if dst_addr:
+        addr = np.concatenate(dst_addr) if len(dst_addr) > 1 else dst_addr[0]
+        length = np.concatenate(dst_len) if len(dst_len) > 1 else dst_len[0]
+        local_regions.check("local", addr, length)
+        order = np.argsort(addr, kind="stable")
+        a, ln = addr[order], length[order]
+        bad = np.flatnonzero(a[1:] < a[:-1] + ln[:-1])
+        if bad.shape[0]:
+            i = int(bad[0])
+            raise OverlapError(first=(int(a[i]), int(ln[i])), second=(int(a[i + 1]), int(ln[i + 1])))
+    if not local_bytes == remote_bytes == plan.expected_bytes:
+        raise ByteCountError(local_bytes=local_bytes, remote_bytes=remote_bytes, expected_bytes=plan.expected_bytes)

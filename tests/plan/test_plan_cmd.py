@@ -1,0 +1,46 @@
+"""`hybrid-transfer plan`: the table and the --json list (stdout holds only JSON)."""
+
+from __future__ import annotations
+
+import json
+
+from hybrid_transfer.cli import main
+
+
+def test_json_lists_every_decode_rank(capsys):
+    code = main(["plan", "--preset", "qwen3.5-397b-a17b", "--prefill-tp", "2", "--decode-tp", "8",
+                 "--tokens", "8192", "--fragmentation", "1.0", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [d["decode_rank"] for d in out] == list(range(8))
+    for d in out:
+        assert d["total_bytes"] == d["expected_bytes"] == 149_836_800
+        assert d["descriptors"] == 750
+        assert d["sources"] == [{"rank": d["decode_rank"] // 4, "bytes": 149_836_800, "descriptors": 750,
+                                 "pieces": 750, "mode": "coalesced"}]
+        assert d["mode"] == "coalesced"
+        assert d["notify"] == [{"rank": d["decode_rank"] // 4, "expected_consumers": 4}]
+
+
+def test_one_decode_rank_in_pack_mode(capsys):
+    assert main(["plan", "--preset", "qwen3.5-397b-a17b", "--prefill-tp", "8", "--decode-tp", "2",
+                 "--decode-rank", "1", "--tokens", "100", "--mode", "pack", "--json"]) == 0
+    (d,) = json.loads(capsys.readouterr().out)
+    assert d["decode_rank"] == 1 and d["descriptors"] == 4
+    assert [s["rank"] for s in d["sources"]] == [4, 5, 6, 7]
+    assert all(s["descriptors"] == 1 and s["pieces"] > 1 for s in d["sources"])
+
+
+def test_table_names_sources_and_totals(capsys):
+    assert main(["plan", "--preset", "qwen3.5-0.8b", "--prefill-tp", "1", "--decode-tp", "2", "--tokens", "50",
+                 "--mode", "naive"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill TP 1 -> decode TP 2" in out and "total" in out and "0:2" in out
+
+
+def test_block_size_flags_and_errors_exit_non_zero(capsys):
+    assert main(["plan", "--preset", "qwen3.5-0.8b", "--prefill-tp", "1", "--decode-tp", "1", "--tokens", "50",
+                 "--decode-block-size", "1024", "--decode-kernel-block-size", "16", "--json"]) == 0
+    capsys.readouterr()
+    assert main(["plan", "--preset", "qwen3.5-0.8b", "--prefill-tp", "3", "--decode-tp", "2", "--tokens", "5"]) == 2
+    assert "error" in capsys.readouterr().err

@@ -1,0 +1,198 @@
+"""Every validation error is raised for the input that should raise it, naming the offending values."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from hybrid_transfer.errors import (
+    BlockCountError,
+    BlockIdError,
+    ByteCountError,
+    DuplicateBlockError,
+    GroupCountError,
+    OverlapError,
+    PlanError,
+    RangeError,
+)
+from hybrid_transfer.layout import RankGeometry, load_preset
+from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.scenario import fake_engine
+from hybrid_transfer.plan.types import PlanMode, ReadPlan, SourcePlan
+from hybrid_transfer.plan.validate import RegionTable, expected_bytes, validate_plan
+
+MODEL = load_preset("qwen3.5-397b-a17b")  # P2 -> D8: remote block 2096 tokens, local 528; 1 FA + 3 GDN groups
+PRODUCERS = fake_engine(MODEL, 2, None, 32, 0)
+CONSUMERS = fake_engine(MODEL, 8, None, 64, 1)
+N = 3000  # remote: ceil(3000 / 2096) = 2 blocks; local: ceil(3000 / 528) = 6 blocks
+
+
+def good():
+    local = [list(range(6)), [10], [11], [12]]
+    remote = [[5, 6], [7], [8], [9]]
+    return local, remote
+
+
+@pytest.fixture(scope="module")
+def planner():
+    return Planner(MODEL, CONSUMERS[3], PRODUCERS)
+
+
+def test_good_request_plans(planner):
+    local, remote = good()
+    plan = planner.plan(local, remote, N)
+    assert plan.total_bytes == expected_bytes(planner.local, N)
+    local[0] = local[0] + [40, 41]  # extra trailing local blocks are allowed and left alone
+    assert planner.plan(local, remote, N).total_bytes == plan.total_bytes
+
+
+@pytest.mark.parametrize("side", ["local", "remote"])
+def test_wrong_group_count(planner, side):
+    local, remote = good()
+    ids = {"local": local, "remote": remote}
+    ids[side].pop()
+    with pytest.raises(GroupCountError) as info:
+        planner.plan(ids["local"], ids["remote"], N)
+    assert (info.value.side, info.value.expected, info.value.actual) == (side, 4, 3)
+
+
+@pytest.mark.parametrize("side,group,ids,expected,at_least", [
+    ("remote", 0, [5], 2, False),
+    ("remote", 0, [5, 6, 20], 2, False),  # the producer lists exactly ceil(n / B_remote)
+    ("local", 0, [0, 1, 2, 3, 4], 6, True),
+    ("local", 2, [11, 13], 1, False),
+    ("remote", 3, [], 1, False),
+])
+def test_wrong_block_count(planner, side, group, ids, expected, at_least):
+    local, remote = good()
+    {"local": local, "remote": remote}[side][group] = ids
+    with pytest.raises(BlockCountError) as info:
+        planner.plan(local, remote, N)
+    e = info.value
+    assert (e.side, e.group, e.expected, e.actual, e.at_least) == (side, group, expected, len(ids), at_least)
+    assert str(len(ids)) in str(e)
+
+
+@pytest.mark.parametrize("side,group,ids,bad,num_blocks", [
+    ("local", 0, [0, 1, 2, 3, 64, 5], 64, 64),
+    ("local", 1, [-1], -1, 64),
+    ("remote", 2, [32], 32, 32),
+])
+def test_block_id_out_of_range(planner, side, group, ids, bad, num_blocks):
+    local, remote = good()
+    {"local": local, "remote": remote}[side][group] = ids
+    with pytest.raises(BlockIdError) as info:
+        planner.plan(local, remote, N)
+    assert (info.value.side, info.value.group, info.value.block_id, info.value.num_blocks) == (
+        side, group, bad, num_blocks)
+    assert str(bad) in str(info.value)
+
+
+@pytest.mark.parametrize("side,group,ids,dup,groups", [
+    ("local", 0, [0, 1, 2, 2, 4, 5], 2, [0, 0]),
+    ("local", 1, [3], 3, [0, 1]),
+    ("remote", 3, [7], 7, [1, 3]),
+])
+def test_duplicate_block_ids(planner, side, group, ids, dup, groups):
+    local, remote = good()
+    {"local": local, "remote": remote}[side][group] = ids
+    with pytest.raises(DuplicateBlockError) as info:
+        planner.plan(local, remote, N)
+    assert (info.value.side, info.value.block_id, list(info.value.groups)) == (side, dup, groups)
+
+
+def test_non_integer_ids_and_negative_tokens(planner):
+    local, remote = good()
+    local[1] = [1.5]
+    with pytest.raises(PlanError):
+        planner.plan(local, remote, N)
+    with pytest.raises(PlanError):
+        planner.plan(*good(), -1)
+
+
+# ---- plan-level checks (the planner's own output is not trusted) ----------------------------------------
+
+def tables(planner):
+    remote = {t.source_rank: RegionTable(PRODUCERS[t.source_rank].tensor_addrs, PRODUCERS[0].region_bytes)
+              for t in planner.templates}
+    return RegionTable(CONSUMERS[3].tensor_addrs, CONSUMERS[3].region_bytes), remote
+
+
+def tampered(plan: ReadPlan, **columns) -> ReadPlan:
+    src = plan.sources[0]
+    new = dataclasses.replace(src, **{k: v(getattr(src, k).copy()) for k, v in columns.items()})
+    return dataclasses.replace(plan, sources=(new,))
+
+
+def bump(i, by):
+    def f(a):
+        a[i] += by
+        return a
+    return f
+
+
+def test_range_outside_a_region(planner):
+    plan = planner.plan(*good(), N)
+    local_t, remote_t = tables(planner)
+    validate_plan(plan, local_t, remote_t)
+    end = CONSUMERS[3].tensor_addrs[0] + CONSUMERS[3].region_bytes
+    with pytest.raises(RangeError) as info:
+        validate_plan(tampered(plan, local_addr=lambda a: np.where(a == a.max(), end - 1, a)), local_t, remote_t)
+    assert info.value.side == "local" and info.value.addr == end - 1
+    with pytest.raises(RangeError) as info:
+        validate_plan(tampered(plan, remote_addr=bump(0, -(1 << 40))), local_t, remote_t)
+    assert info.value.side.startswith("remote rank")
+
+
+def test_overlapping_destinations(planner):
+    plan = planner.plan(*good(), N)
+    local_t, remote_t = tables(planner)
+    src = plan.sources[0]
+    second = int(np.argsort(src.local_addr)[1])
+    first = int(np.argsort(src.local_addr)[0])
+    bad = tampered(plan, local_addr=bump(second, int(src.local_addr[first] - src.local_addr[second] + 1)))
+    with pytest.raises(OverlapError) as info:
+        validate_plan(bad, local_t, remote_t)
+    assert info.value.first[0] == src.local_addr[first]
+
+
+def test_byte_count_mismatch(planner):
+    plan = planner.plan(*good(), N)
+    local_t, remote_t = tables(planner)
+    with pytest.raises(ByteCountError) as info:
+        validate_plan(tampered(plan, length=bump(0, -1)), local_t, remote_t)
+    assert info.value.expected_bytes == plan.expected_bytes
+    assert info.value.local_bytes == plan.expected_bytes - 1
+    with pytest.raises(ByteCountError):
+        validate_plan(dataclasses.replace(plan, expected_bytes=plan.expected_bytes + 1), local_t, remote_t)
+
+
+def test_zero_length_rows_and_unknown_sources_are_refused(planner):
+    plan = planner.plan(*good(), N)
+    local_t, remote_t = tables(planner)
+    with pytest.raises(RangeError):
+        validate_plan(tampered(plan, length=lambda a: np.where(np.arange(a.shape[0]) == 0, 0, a)),
+                      local_t, remote_t)
+    stranger = dataclasses.replace(plan, sources=(SourcePlan(5, *(c for c in (
+        plan.sources[0].local_addr, plan.sources[0].remote_addr, plan.sources[0].length))),))
+    with pytest.raises(PlanError):
+        validate_plan(stranger, local_t, remote_t)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_expected_bytes_matches_design_figures(tp):
+    g = RankGeometry(MODEL, tp)
+    # DESIGN 2.1: 30,720 B per token over 15 FA layers at TP1, 15,360 B at TP >= 2 (replicated heads count once).
+    per_token = 30_720 if tp == 1 else 15_360
+    state = {1: 183.16, 2: 91.58, 4: 45.79, 8: 22.90}[tp]
+    assert expected_bytes(g, 1) - expected_bytes(g, 0) - g.state_bytes_per_request == per_token
+    assert round(g.state_bytes_per_request / 2**20, 2) == state
+    assert expected_bytes(g, 0) == 0
+
+
+def test_planner_expected_bytes_agrees_with_independent_figure(planner):
+    for n in (0, 1, 527, 528, 8192):
+        assert planner.expected_bytes(n) == expected_bytes(planner.local, n)
+    assert planner.plan(*good(), N, PlanMode.NAIVE).expected_bytes == expected_bytes(planner.local, N)
