@@ -231,3 +231,13 @@ class RequestStateError(HybridTransferError):
         super().__init__(f"request {request_id!r}: {message}")
         self.request_id = request_id
         self.state = state
+
+
+class ReadDeadlineError(HybridTransferError):
+    """A consumer request did not finish within its deadline (``deadline_s``, in ``state``)."""
+
+    def __init__(self, *, request_id: str, deadline_s: float, state: str):
+        super().__init__(f"request {request_id!r} still {state} after its {deadline_s} s deadline")
+        self.request_id = request_id
+        self.deadline_s = deadline_s
+        self.state = state

@@ -104,11 +104,8 @@ def pattern_value(base: int, rows: Sequence[int], col: int, bits: int, poison_by
     for r in rows:
         key = _mix_py(key + r)
     x = ((key ^ _mix_py(col + _COL_SALT)) * _C3) & _MASK64
-    v = x >> (64 - bits)
-    for lane in range(bits // 8):
-        if (v >> (8 * lane)) & 0xFF == poison_byte:
-            v ^= 1 << (8 * lane)
-    return v
+    low_bits = _LOW_BITS[bits // 8]
+    return (x >> (64 - bits)) & ~low_bits | (0 if poison_byte & 1 else low_bits)
 
 
 def _row_keys(base: int, index: torch.Tensor) -> torch.Tensor:
@@ -116,21 +113,25 @@ def _row_keys(base: int, index: torch.Tensor) -> torch.Tensor:
 
 
 _SIGNED_DTYPES = {1: torch.int8, 2: torch.int16, 4: torch.int32}
+_LOW_BITS = {1: 0x01, 2: 0x0101, 4: 0x01010101}  # bit 0 of every byte
 
 
 def _cells(rows: torch.Tensor, num_cols: int, itemsize: int, poison_byte: int) -> torch.Tensor:
     """Pattern values [*rows.shape, num_cols] in the integer dtype of ``itemsize``.
 
-    Every byte equal to the poison byte gets its low bit flipped, so a pattern byte never passes
-    for an untouched one. Only three int64 passes per element: this is the oracle's hot loop.
+    Bit 0 of every byte is forced to the opposite of the poison byte's, so no pattern byte can pass
+    for an untouched one (it costs one bit per byte; a byte compare per lane cost 3x the whole hash).
+    The oracle's hot loop: three int64 passes and two narrow ones per element.
     """
     cols = _mix(torch.arange(num_cols, dtype=torch.int64, device=rows.device) + _COL_SALT)
     x = rows.unsqueeze(-1) ^ cols
     x *= _signed64(_C3)
     x >>= 64 - 8 * itemsize  # arithmetic shift: the top bits, already in the signed range of the target
     out = x.to(_SIGNED_DTYPES[itemsize])
-    lanes = out.view(torch.uint8)
-    lanes ^= (lanes == poison_byte).view(torch.uint8)
+    low_bits = _LOW_BITS[itemsize]
+    out &= ~low_bits  # ~ of a positive int is negative: the same bits in the signed dtype
+    if not poison_byte & 1:
+        out |= low_bits
     return out.view(_INT_DTYPES[itemsize])
 
 
@@ -317,6 +318,7 @@ def _write_state(cache: HybridCache, layer: int, block_id: int, seed: int, poiso
 
 
 def _write_padding(cache: HybridCache, tensor_index: int, block_id: int, seed: int, poison_byte: int) -> None:
+    """Source side only: padding must never reach a consumer, so its bytes need only differ from poison."""
     g = cache.geometry
     page = cache.raw(tensor_index)[block_id]
     rows = _row_keys(pattern_base(seed, tensor_index, PatternKind.PADDING),
@@ -336,7 +338,8 @@ def fill_source(cache: HybridCache, request: RequestLayout, seed: int, poison_by
     """Write the pattern into every block ``request`` holds on this producer rank.
 
     Attention: every token of every listed block, tails past num_tokens included (a correct transfer
-    leaves them behind). State: conv, ssm, and a distinct pattern in the page padding.
+    leaves them behind). State: conv, ssm, and a distinct pattern in the page padding. The pattern
+    depends on ``poison_byte``: pass the same one to the destination check.
     """
     _check_request(cache, request)
     g = cache.geometry

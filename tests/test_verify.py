@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybrid_transfer import verify
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.errors import ConfigError, VerificationError
 from hybrid_transfer.layout import CacheOptions, ConvLayout, DType, LayerKind, RankGeometry, SsmOrder, model_from_config
@@ -26,6 +27,7 @@ from hybrid_transfer.verify import (
     check_destination,
     check_destination_many,
     conv_pattern,
+    describe_byte,
     expected_destination,
     fill_source,
     kv_pattern,
@@ -187,11 +189,13 @@ def test_pattern_matches_scalar_reference(itemsize):
 @pytest.mark.parametrize("itemsize", [1, 2, 4])
 def test_pattern_never_holds_poison_byte_and_is_spread(itemsize, poison_byte):
     pat = kv_pattern(1, 0, range(4), range(2048), 16, itemsize, poison_byte).contiguous()
-    assert not bool((pat.view(torch.uint8) == poison_byte).any())
-    # Well mixed: 16-bit values almost all distinct, every byte value but the poison one used.
-    assert len(torch.unique(pat.view(torch.uint8))) == 255
-    if itemsize >= 2:
-        assert len(torch.unique(pat)) > 0.6 * min(pat.numel(), 1 << (8 * itemsize))
+    lanes = pat.view(torch.uint8)
+    assert not bool((lanes == poison_byte).any())
+    # Well mixed: each byte's bit 0 is pinned (opposite to the poison's), the other 7 bits take every value,
+    # and the 7 * itemsize free bits of a value are nearly all distinct.
+    assert bool(((lanes & 1) != (poison_byte & 1)).all())
+    assert len(torch.unique(lanes)) == 128
+    assert len(torch.unique(pat)) > 0.6 * min(pat.numel(), 1 << (7 * itemsize))
 
 
 def test_pattern_depends_on_every_coordinate():
@@ -224,6 +228,46 @@ def test_fill_source_writes_every_byte_of_the_request_and_nothing_else(layers):
                 assert not bool(untouched.any()), (j, b)
             else:
                 assert bool(untouched.all()), (j, b)
+
+
+def test_fill_source_places_pattern_at_view_coordinates():
+    """Source views hold the pattern at their global coordinates: heads, token t = i*B + pos, segments, ssm axes."""
+    opts = CacheOptions(block_size=16, kernel_block_size=4, conv_layout=ConvLayout.SD, ssm_order=SsmOrder.V_K_D)
+    g = RankGeometry(tiny_model(), 2, 1, opts)
+    m = g.model
+    cache = HybridCache.allocate(g, 12)
+    req = make_request(g, 40, 12, rng=2, fragmentation=1.0)
+    fill_source(cache, req, SEED)
+    ids = req.block_ids[0]
+    tokens = torch.arange(len(ids) * g.block_size)  # tails included on the source
+    for layer in m.attention_layers:
+        b, k, tok = token_slots(cache, ids, tokens)
+        got = kv6(cache, layer)[b, k, :, :, tok, :].permute(1, 2, 0, 3)  # [2, heads, tokens, head_dim]
+        want = kv_pattern(SEED, layer, g.kv_heads, range(len(tokens)), m.head_dim, g.kv_itemsize)
+        assert torch.equal(got, want)
+    gi = g.tensor_map.groups_of(LayerKind.GDN)[0]
+    block = req.block_ids[gi][0]
+    for layer in g.tensor_map.groups[gi].layers:
+        conv = ints(cache.conv(layer))[block]
+        for segment, channels in enumerate(g.conv_channel_ranges):
+            lo = g.conv_segment_channel_offsets[segment]
+            want = conv_pattern(SEED, layer, segment, channels, m.conv_window, g.conv_itemsize)
+            assert torch.equal(conv[lo : lo + len(channels)], want)
+        want = ssm_pattern(SEED, layer, g.value_heads, m.linear_value_head_dim, m.linear_key_head_dim,
+                           g.ssm_dtype.itemsize)
+        assert torch.equal(ints(cache.ssm(layer))[block], want.transpose(1, 2))
+
+
+def test_chunked_pattern_writes_match_unchunked(monkeypatch):
+    """Big caches are written a few blocks at a time; every chunk must carry its own token positions."""
+    opts = CacheOptions(block_size=16, kernel_block_size=4)
+    srcs, sreq, dsts, dreq = setup_transfer(tiny_model(), 1, 1, 45, src_opts=opts, dst_opts=opts,
+                                            fragmentation=1.0)
+    reference_copy(srcs, sreq, dsts[0], dreq)
+    whole = expected_destination(dsts[0], dreq, SEED)
+    monkeypatch.setattr(verify, "_CHUNK_ELEMS", 1)
+    assert all(torch.equal(a, b) for a, b in zip(whole, expected_destination(dsts[0], dreq, SEED), strict=True))
+    check_destination(dsts[0], dreq, SEED)
 
 
 def test_poison_fills_every_byte():
@@ -428,6 +472,28 @@ def test_wrong_copy_raises(name, conv_layout):
     assert err.block_id == err.first_bad_offset // dst.geometry.page_bytes
     assert err.actual_byte == int(dst.tensors[err.tensor_index][err.first_bad_offset])
     assert err.expected_byte != err.actual_byte
+
+
+def test_describe_byte_decodes_global_coordinates():
+    opts = CacheOptions(block_size=16, kernel_block_size=4, conv_layout=ConvLayout.SD)
+    g = RankGeometry(tiny_model(), 2, 1, opts)
+    req = RequestLayout(block_ids=((5, 2), (0,), (1,), (3,)), num_tokens=20)
+    # V half, head slot 0 (global head 1), kernel block 1, token 2 of block 2 (list index 1): token 16 + 4 + 2.
+    offset = g.kv_offset(2, 1, 1, 0, 2) + 3 * g.kv_itemsize + 1
+    block, text = describe_byte(g, [req], 0, offset)
+    assert block == 2
+    assert "attention V byte, global head 1, token 22 (tail, past num_tokens=20)" in text
+    assert "element 3 byte 1" in text
+    # SD conv: window position 2, local channel of V segment -> global V channel of rank 1.
+    lo = g.conv_segment_channel_offsets[2]
+    local = lo + 3
+    offset = 3 * g.page_bytes + (2 * g.conv_dim_local + local) * g.conv_itemsize
+    _, text = describe_byte(g, [req], 1, offset)
+    assert f"conv byte, segment V global channel {g.conv_channel_ranges[2][3]}, window position 2" in text
+    _, text = describe_byte(g, [req], 1, g.ssm_offset(1) + g.ssm_head_bytes + 4 * 5)
+    assert f"ssm byte, global value head {g.value_heads[1]}, (dv, dk) = (1, 1)" in text
+    _, text = describe_byte(g, [req], 0, 4 * g.page_bytes + 7)
+    assert text == "block 4 (held by no request), page byte 7"
 
 
 def test_state_moved_for_zero_tokens_raises():

@@ -1,0 +1,17 @@
+"""The only code that imports NIXL or ZeroMQ (DESIGN 4): handshakes, producers, consumers.
+
+Modules: config (EngineConfig), wire (messages), side_channel (ZeroMQ), handshake (its two
+tiers), agent (one NIXL agent), state (request lifecycles), peers (a consumer's producer
+links), producer, consumer.
+"""
+
+from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
+from hybrid_transfer.engine.consumer import Consumer
+from hybrid_transfer.engine.producer import Producer
+from hybrid_transfer.engine.state import ReadResult, ReadState
+from hybrid_transfer.engine.wire import Ticket, decode_ticket, encode_ticket
+
+__all__ = [
+    "Consumer", "EngineConfig", "PrepStrategy", "Producer", "ProgressPolicy", "ReadResult", "ReadState",
+    "Ticket", "decode_ticket", "encode_ticket",
+]

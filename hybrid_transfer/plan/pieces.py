@@ -112,11 +112,3 @@ def concat(parts: list[Pieces], with_key: bool) -> Pieces:
         np.concatenate([p.length for p in parts]),
         np.concatenate([p.key for p in parts]) if with_key else None,  # type: ignore[misc]
     )
-
-
-def broadcast_tensors(local_base: np.ndarray, remote_base: np.ndarray, local_off: np.ndarray,
-                      remote_off: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Absolute columns, tensor-major: tensor j's rows use each side's base address of tensor j."""
-    loc = (local_base[:, None] + local_off[None, :]).ravel()
-    rem = (remote_base[:, None] + remote_off[None, :]).ravel()
-    return loc, rem, np.broadcast_to(length, (local_base.shape[0], length.shape[0])).ravel()

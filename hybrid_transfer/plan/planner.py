@@ -9,7 +9,6 @@ pieces of one shared tensor, and a broadcast over the tensors' base addresses.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,7 +20,6 @@ from hybrid_transfer.plan.merge import merge_ranges
 from hybrid_transfer.plan.pieces import (
     Pieces,
     SegmentFrame,
-    broadcast_tensors,
     concat,
     kv_pieces,
     segment_frame,
@@ -29,7 +27,15 @@ from hybrid_transfer.plan.pieces import (
     state_pieces,
 )
 from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
-from hybrid_transfer.plan.templates import SourceTemplate, assign_kv_heads, kv_template, state_template
+from hybrid_transfer.plan.templates import (
+    SOURCE_MASK,
+    SOURCE_SHIFT,
+    SourceTemplate,
+    assign_kv_heads,
+    kv_template,
+    stack_templates,
+    state_template,
+)
 from hybrid_transfer.plan.topology import Topology
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan, SourcePlan
 from hybrid_transfer.plan.validate import (
@@ -92,11 +98,17 @@ class Planner:
                                                            self.remote_descs[t.source_rank].region_bytes)
                                 for t in self.templates}
         self._remote_num_blocks = min(t.num_blocks for t in self.templates)
+        biggest = max(d.region_bytes for d in self.remote_descs)
+        if biggest >> SOURCE_SHIFT:
+            raise PlanError(f"remote region of {biggest} B is too large to plan", region_bytes=biggest)
         groups = self.local.tensor_map.groups
         self._kinds = tuple(g.kind for g in groups)
         self._attn_groups = tuple(i for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION)
         self._gdn_groups = np.array([i for i, g in enumerate(groups) if g.kind is LayerKind.GDN], dtype=np.int64)
         self._frames: dict[int, SegmentFrame] = {}
+        self._kv, self._state = stack_templates(self.templates)
+        # [tensor, source index]: each source's base address of each shared tensor.
+        self._remote_base = np.stack([t.tensor_addrs for t in self.templates], axis=1)
         self._local_page = self.local.page_bytes
         self._remote_page = self.remote.page_bytes
         self._kv_bytes_per_token = self.local.kv_bytes_per_token * len(model.attention_layers)
@@ -170,17 +182,9 @@ class Planner:
                                self.local_desc.num_blocks, exact=False)
             validate_block_ids("remote", remote_ids, self._kinds, num_tokens, self.remote.block_size,
                                self._remote_num_blocks, exact=True)
-        sources: list[SourcePlan | PackSourcePlan] = []
-        source_modes: dict[int, str] = {}
+        sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
         if num_tokens > 0:
-            request = self._request_offsets(num_tokens, local_ids, remote_ids)
-            for tpl in self.templates:
-                built = self._source_plan(tpl, request, mode)
-                if built is not None:
-                    sources.append(built)
-                    source_modes[tpl.source_rank] = (
-                        PlanMode.PACK if isinstance(built, PackSourcePlan) else
-                        PlanMode.NAIVE if mode is PlanMode.NAIVE else PlanMode.COALESCED).value
+            sources = self._build_sources(num_tokens, local_ids, remote_ids, mode)
         plan = ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
@@ -188,7 +192,7 @@ class Planner:
             notify=self.topology.notify,
             num_tokens=num_tokens,
             expected_bytes=self.expected_bytes(num_tokens),
-            meta={"source_modes": source_modes},
+            meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources}},
         )
         if validate:
             validate_plan(plan, self._local_regions, self._remote_regions)
@@ -222,47 +226,54 @@ class Planner:
             frame = self._frames[num_tokens] = segment_frame(num_tokens, self.local, self.remote)
         return frame
 
-    def _request_offsets(self, num_tokens: int, local_ids: list[np.ndarray],
-                         remote_ids: list[np.ndarray]) -> _RequestOffsets:
-        """Block-id arithmetic shared by every source (one remote engine: one page size, one block size)."""
+    def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
+                       mode: PlanMode) -> tuple[SourcePlan | PackSourcePlan, ...]:
+        """Pieces of every source at once, one merge, one broadcast over tensors, then one plan per source."""
+        naive = mode is PlanMode.NAIVE
         frame = self._frame(num_tokens)
         lp, rp = self._local_page, self._remote_page
-        kv = [(g, *segment_offsets(frame, local_ids[g], remote_ids[g], lp, rp)) for g in self._attn_groups]
-        if self._gdn_groups.shape[0]:
+        parts: list[Pieces] = []
+        if not self._kv.is_empty:
+            for g in self._attn_groups:
+                seg_l, seg_r = segment_offsets(frame, local_ids[g], remote_ids[g], lp, rp)
+                parts.append(kv_pieces(frame, self._kv, seg_l, seg_r, g, naive))
+        if not self._state.is_empty and self._gdn_groups.shape[0]:
             gdn_l = np.concatenate([local_ids[g] for g in self._gdn_groups])
             gdn_r = np.concatenate([remote_ids[g] for g in self._gdn_groups])
-        else:
-            gdn_l = gdn_r = np.empty(0, dtype=np.int64)
-        return _RequestOffsets(frame, kv, gdn_l, gdn_r)
-
-    def _source_plan(self, tpl: SourceTemplate, req: _RequestOffsets,
-                     mode: PlanMode) -> SourcePlan | PackSourcePlan | None:
-        naive = mode is PlanMode.NAIVE
-        parts: list[Pieces] = []
-        if not tpl.kv.is_empty:
-            for g, seg_l, seg_r in req.kv:
-                parts.append(kv_pieces(req.frame, tpl.kv, seg_l, seg_r, g, naive))
-        if not tpl.state.is_empty and req.gdn_local.shape[0]:
-            parts.append(state_pieces(tpl.state, req.gdn_local, req.gdn_remote, self._local_page,
-                                      self._remote_page, self._gdn_groups, naive))
-        if not parts:
-            return None
+            parts.append(state_pieces(self._state, gdn_l, gdn_r, lp, rp, self._gdn_groups, naive))
         pieces = concat(parts, naive)
         rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
-        loc, rem, length = broadcast_tensors(self._local_base, tpl.tensor_addrs, rel_l, rel_r, rel_len)
-        ld, rd = self.local_desc.device_id, tpl.device_id
-        if mode is PlanMode.PACK or (mode is PlanMode.AUTO and
-                                     self.cost.choose(length.shape[0], int(length.sum())) is PlanMode.PACK):
-            return to_pack(tpl.source_rank, loc, rem, length, ld, rd)
-        return SourcePlan(tpl.source_rank, loc, rem, length, ld, rd)
+        num_sources = len(self.templates)
+        if num_sources == 1:
+            bounds = [0, rel_l.shape[0]]
+            rem = self._remote_base[:, :1] + (rel_r & SOURCE_MASK)[None, :]
+        else:
+            src = rel_r >> SOURCE_SHIFT
+            order = np.argsort(src, kind="stable")  # keeps each source's rows ascending in local address
+            src, rel_l, rel_r, rel_len = src[order], rel_l[order], rel_r[order], rel_len[order]
+            bounds = np.searchsorted(src, np.arange(num_sources + 1)).tolist()
+            rem = self._remote_base[:, src] + (rel_r & SOURCE_MASK)[None, :]
+        loc = self._local_base[:, None] + rel_l[None, :]
+        length = rel_len[None, :].repeat(loc.shape[0], axis=0)
+        out: list[SourcePlan | PackSourcePlan] = []
+        ld = self.local_desc.device_id
+        for i, tpl in enumerate(self.templates):
+            a, b = bounds[i], bounds[i + 1]
+            if a == b:
+                continue
+            cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
+            if mode is PlanMode.PACK or (mode is PlanMode.AUTO and
+                                         self.cost.choose(cols[2].shape[0], int(cols[2].sum())) is PlanMode.PACK):
+                out.append(to_pack(tpl.source_rank, *cols, ld, tpl.device_id))
+            else:
+                out.append(SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id))
+        return tuple(out)
 
 
-@dataclass(frozen=True)
-class _RequestOffsets:
-    frame: SegmentFrame
-    kv: list[tuple[int, np.ndarray, np.ndarray]]  # (attention group, segment starts local, remote)
-    gdn_local: np.ndarray  # one block per GDN group, in group order
-    gdn_remote: np.ndarray
+def _mode_of(src: SourcePlan | PackSourcePlan, mode: PlanMode) -> PlanMode:
+    if isinstance(src, PackSourcePlan):
+        return PlanMode.PACK
+    return PlanMode.NAIVE if mode is PlanMode.NAIVE else PlanMode.COALESCED
 
 
 def to_pack(source_rank: int, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,

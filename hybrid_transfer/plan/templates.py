@@ -16,6 +16,11 @@ import numpy as np
 from hybrid_transfer.errors import TopologyError
 from hybrid_transfer.layout.geometry import ConvLayout, RankGeometry
 
+# Remote offsets of a batched template carry the source index above this bit, so one merge over every
+# source never joins two sources' pieces; 2**48 bytes is far beyond any registered region.
+SOURCE_SHIFT = 48
+SOURCE_MASK = (1 << SOURCE_SHIFT) - 1
+
 # Naive-mode sub-region keys of one state page: conv segment s, window row k -> s * _ROWS + k; ssm -> _SSM_KEY.
 _ROWS = 1 << 16
 _SSM_KEY = 3 * _ROWS
@@ -136,3 +141,26 @@ class SourceTemplate:
     tensor_addrs: np.ndarray  # int64 base address of each shared tensor on the source
     device_id: int
     num_blocks: int
+
+
+def stack_templates(templates: tuple[SourceTemplate, ...]) -> tuple[KVTemplate, StateTemplate]:
+    """Every source's KV and state templates in one, remote offsets tagged with the source's index."""
+    def tag(values: np.ndarray, index: int) -> np.ndarray:
+        return values + (index << SOURCE_SHIFT)
+
+    kvs = [t.kv for t in templates]
+    kv = KVTemplate(
+        half=np.concatenate([k.half for k in kvs]),
+        local_slot=np.concatenate([k.local_slot for k in kvs]),
+        remote_slot=np.concatenate([k.remote_slot for k in kvs]),
+        local_const=np.concatenate([k.local_const for k in kvs]),
+        remote_const=np.concatenate([tag(k.remote_const, i) for i, k in enumerate(kvs)]),
+    )
+    sts = [t.state for t in templates]
+    state = StateTemplate(
+        local_off=np.concatenate([x.local_off for x in sts]),
+        remote_off=np.concatenate([tag(x.remote_off, i) for i, x in enumerate(sts)]),
+        length=np.concatenate([x.length for x in sts]),
+        key=np.concatenate([x.key for x in sts]),
+    )
+    return kv, state

@@ -89,11 +89,15 @@ class RegionTable:
         starts = np.asarray(addrs, dtype=np.int64)
         lens = np.broadcast_to(np.asarray(lengths, dtype=np.int64), starts.shape)
         order = np.argsort(starts)
-        self.starts = starts[order]
-        self.ends = self.starts + lens[order]
+        # A sentinel region that nothing fits in catches addresses below the first region without a mask.
+        lowest = np.iinfo(np.int64).min
+        self.starts = np.concatenate(([lowest], starts[order]))
+        self.ends = np.concatenate(([lowest], starts[order] + lens[order]))
 
-    def check(self, side: str, addr: np.ndarray, length: np.ndarray) -> None:
+    def check(self, side: str, addr: np.ndarray, length: np.ndarray, *, lengths_checked: bool = False) -> None:
         """Every [addr, addr+length) lies inside one region and is non-empty.
+
+        ``lengths_checked``: the caller already knows every length is positive (one column serves both sides).
 
         Raises:
             RangeError: naming the first offending range.
@@ -101,10 +105,9 @@ class RegionTable:
         if addr.shape[0] == 0:
             return
         idx = np.searchsorted(self.starts, addr, side="right") - 1
-        ok = (idx >= 0) & (length > 0)
-        ok &= addr + length <= self.ends[np.maximum(idx, 0)]
-        if not ok.all():
-            i = int(np.flatnonzero(~ok)[0])
+        room = self.ends[idx] - addr
+        if not (np.all(room >= length) and (lengths_checked or length.min() > 0)):
+            i = int(np.flatnonzero((room < length) | (length <= 0))[0])
             raise RangeError(side=side, addr=int(addr[i]), length=int(length[i]))
 
 
@@ -114,34 +117,31 @@ def validate_plan(plan: ReadPlan, local_regions: RegionTable, remote_regions: Ma
     Raises:
         RangeError, OverlapError, ByteCountError.
     """
-    dst_addr, dst_len = [], []
-    local_bytes = remote_bytes = 0
+    rows = []
     for src in plan.sources:
         if isinstance(src, SourcePlan):
-            local, remote, length = src.local_addr, src.remote_addr, src.length
+            rows.append((src.source_rank, src.local_addr, src.remote_addr, src.length))
         elif isinstance(src, PackSourcePlan):
-            local, remote, length = src.scatter_dst, src.gather_src, src.length
+            rows.append((src.source_rank, src.scatter_dst, src.gather_src, src.length))
         else:
             raise PlanError(f"unknown source plan type {type(src).__name__}", source=src)
-        table = remote_regions.get(src.source_rank)
-        if table is None:
+        if src.source_rank not in remote_regions:
             raise PlanError(f"plan reads from source rank {src.source_rank}, which has no registered regions",
                             source_rank=src.source_rank)
-        table.check(f"remote rank {src.source_rank}", remote, length)
-        dst_addr.append(local)
-        dst_len.append(length)
-        nbytes = int(length.sum())
-        local_bytes += nbytes
-        remote_bytes += nbytes  # one length column serves both sides
-    if dst_addr:
-        addr = np.concatenate(dst_addr) if len(dst_addr) > 1 else dst_addr[0]
-        length = np.concatenate(dst_len) if len(dst_len) > 1 else dst_len[0]
+    total = 0
+    if rows:
+        addr = np.concatenate([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
+        length = np.concatenate([r[3] for r in rows]) if len(rows) > 1 else rows[0][3]
         local_regions.check("local", addr, length)
+        # One length column serves both sides, so positive lengths are checked once, above.
+        for rank, _, remote, ln in rows:
+            remote_regions[rank].check(f"remote rank {rank}", remote, ln, lengths_checked=True)
         order = np.argsort(addr, kind="stable")
         a, ln = addr[order], length[order]
         bad = np.flatnonzero(a[1:] < a[:-1] + ln[:-1])
         if bad.shape[0]:
             i = int(bad[0])
             raise OverlapError(first=(int(a[i]), int(ln[i])), second=(int(a[i + 1]), int(ln[i + 1])))
-    if not local_bytes == remote_bytes == plan.expected_bytes:
-        raise ByteCountError(local_bytes=local_bytes, remote_bytes=remote_bytes, expected_bytes=plan.expected_bytes)
+        total = int(length.sum())
+    if not total == plan.expected_bytes:
+        raise ByteCountError(local_bytes=total, remote_bytes=total, expected_bytes=plan.expected_bytes)

@@ -1,0 +1,243 @@
+"""A thin owner of one NIXL agent (UCX backend): the only module that calls NIXL.
+
+Ownership: NIXL agents are not thread-safe by default (DESIGN 7). The thread that
+creates a NixlAgent is its owner and the only thread that may call it; the
+producer's handshake listener never touches it (it serves precomputed bytes).
+
+Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
+- ``transfer()`` of a READ between two processes may run the whole copy inside
+  the call (UCX's cma zero-copy path): posting is not free on CPU hosts.
+- Without NIXL's progress thread the *target* must be progressed too, or a first
+  READ from a new peer waits in PROC until the target next calls NIXL (here:
+  ``get_notifs``): 11.7 s with a target polling every 5 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+from hybrid_transfer.cache import Region
+from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
+from hybrid_transfer.engine.state import XferState
+from hybrid_transfer.errors import EngineError
+
+log = logging.getLogger(__name__)
+
+_CONFIG_LOCK = threading.Lock()
+
+
+def _nixl_api() -> Any:
+    import nixl._api as api  # imported lazily: loading NIXL and UCX costs ~1 s
+
+    return api
+
+
+def _nixl_errors() -> tuple[type[BaseException], ...]:
+    bind = _nixl_api().nixlBind
+    found = tuple(getattr(bind, n) for n in dir(bind) if n.startswith("nixl") and n.endswith("Error"))
+    return found + (RuntimeError, ValueError, TypeError)
+
+
+@contextmanager
+def _progress_delay(api: Any, delay_us: int):
+    """Make nixl_agent honour a progress-thread delay.
+
+    nixl 1.5.1's Python wrapper hard-codes ``pthrDelay = 0`` (a busy-spinning thread). For the
+    duration of one agent construction, the bindings' config class is swapped for a subclass
+    whose ``pthrDelay`` setter writes our value instead.
+    """
+    base = api.nixlBind.nixlAgentConfig
+    field = base.pthrDelay
+
+    class _DelayedConfig(base):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self):  # noqa: N802 (binding's name)
+            return field.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, _value):  # noqa: N802
+            field.__set__(self, delay_us)
+
+    with _CONFIG_LOCK:
+        api.nixlBind.nixlAgentConfig = _DelayedConfig
+        try:
+            yield
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
+class XferHandle:
+    """One posted READ: the NIXL handle, its peer and its last known state."""
+
+    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists")
+
+    def __init__(self, handle: Any, peer: str, num_descriptors: int, num_bytes: int, dlists: tuple = ()):
+        self.handle = handle
+        self.peer = peer
+        self.state = XferState.PROC
+        self.num_descriptors = num_descriptors
+        self.num_bytes = num_bytes
+        self._dlists = dlists
+
+    @property
+    def is_released(self) -> bool:
+        return self.state is XferState.RELEASED
+
+
+class NixlAgent:
+    """One rank's NIXL agent: registered cache regions, remote peers, READs and notifications.
+
+    Owned by the thread that creates it (see module docstring). ``close()`` is idempotent.
+    """
+
+    def __init__(self, name: str, config: EngineConfig):
+        api = _nixl_api()
+        self._errors = _nixl_errors()
+        self.name = name
+        self.config = config
+        self._closed = False
+        self._reg_descs: Any = None
+        self._mem_type = "DRAM"
+        self._peers: set[str] = set()
+        use_thread = config.progress is ProgressPolicy.ON_WITH_DELAY
+        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=["UCX"],
+                                     num_threads=config.num_backend_threads)
+        try:
+            with _progress_delay(api, config.progress_delay_us):
+                self._agent = api.nixl_agent(name, conf)
+        except self._errors as exc:
+            raise EngineError(str(exc), operation="create agent", agent=name) from exc
+        if "UCX" not in self._agent.backends:
+            raise EngineError("the UCX backend plugin is not available", operation="create agent", agent=name)
+
+    # ---- memory -------------------------------------------------------------------
+    def register(self, regions: Sequence[Region]) -> None:
+        """Register each region (a whole shared tensor) once; agent metadata grows per region (DESIGN 7)."""
+        if self._reg_descs is not None:
+            raise EngineError("regions are already registered", operation="register", agent=self.name)
+        kinds = {r.is_cuda for r in regions}
+        if len(kinds) != 1:
+            raise EngineError("regions mix host and device memory", operation="register", agent=self.name)
+        self._mem_type = "VRAM" if kinds.pop() else "DRAM"
+        rows = [(r.addr, r.length, r.device_id, "") for r in regions]
+        with self._wrap("register"):
+            self._reg_descs = self._agent.register_memory(self._agent.get_reg_descs(rows, self._mem_type))
+
+    @property
+    def metadata(self) -> bytes:
+        """This agent's full metadata (connection info + registered regions) for its peers."""
+        with self._wrap("get metadata"):
+            return self._agent.get_agent_metadata()
+
+    # ---- peers --------------------------------------------------------------------
+    def add_remote(self, metadata: bytes) -> str:
+        """Load a peer's metadata; returns the peer's agent name."""
+        with self._wrap("add remote agent"):
+            peer = self._agent.add_remote_agent(metadata)
+        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self._peers.add(peer)
+        return peer
+
+    def remove_remote(self, peer: str) -> None:
+        if peer in self._peers:
+            self._peers.discard(peer)
+            with self._wrap("remove remote agent", peer):
+                self._agent.remove_remote_agent(peer)
+
+    # ---- reads --------------------------------------------------------------------
+    def post_read(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray) -> XferHandle:
+        """Create and post one READ of ``remote_descs`` on ``peer`` into ``local_descs`` (Nx3 int64 arrays).
+
+        On CPU hosts the copy may complete inside this call (see module docstring).
+        """
+        n = int(local_descs.shape[0])
+        num_bytes = int(local_descs[:, 1].sum()) if n else 0
+        prep = self.config.prep
+        with self._wrap("post READ", peer):
+            if prep is PrepStrategy.DIRECT:
+                handle = self._agent.initialize_xfer(
+                    "READ",
+                    self._agent.get_xfer_descs(np.ascontiguousarray(local_descs), self._mem_type),
+                    self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs), self._mem_type),
+                    peer,
+                )
+                dlists: tuple = ()
+            else:
+                local_h = self._agent.prep_xfer_dlist("", np.ascontiguousarray(local_descs), self._mem_type)
+                remote_h = self._agent.prep_xfer_dlist(peer, np.ascontiguousarray(remote_descs), self._mem_type)
+                index = np.arange(n, dtype=np.int32)
+                handle = self._agent.make_prepped_xfer("READ", local_h, index, remote_h, index)
+                dlists = (local_h, remote_h)
+            xfer = XferHandle(handle, peer, n, num_bytes, dlists)
+            xfer.state = XferState.parse(self._agent.transfer(handle))
+        return xfer
+
+    def check(self, xfer: XferHandle) -> XferState:
+        """Progress NIXL and return the READ's state (sticky once DONE or ERR)."""
+        if xfer.state is XferState.PROC:
+            with self._wrap("check transfer", xfer.peer):
+                xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
+        return xfer.state
+
+    def release(self, xfer: XferHandle) -> bool:
+        """Free a READ's handle; False when NIXL refuses because the READ may still write (try again later)."""
+        if xfer.is_released:
+            return True
+        try:
+            self._agent.release_xfer_handle(xfer.handle)
+        except self._errors as exc:
+            log.debug("release of a READ on %s refused: %s", xfer.peer, exc)
+            return False
+        for dlist in xfer._dlists:
+            with self._wrap("release dlist", xfer.peer):
+                self._agent.release_dlist_handle(dlist)
+        xfer._dlists = ()
+        xfer.state = XferState.RELEASED
+        return True
+
+    # ---- notifications ------------------------------------------------------------
+    def send_notif(self, peer: str, message: bytes) -> None:
+        with self._wrap("send notification", peer):
+            self._agent.send_notif(peer, message)
+
+    def get_notifs(self) -> dict[str, list[bytes]]:
+        """New notifications by sender agent name; also progresses NIXL (the target side of READs)."""
+        with self._wrap("get notifications"):
+            notifs = self._agent.get_new_notifs()
+        return {(k.decode() if isinstance(k, bytes) else str(k)): list(v) for k, v in notifs.items()}
+
+    # ---- teardown -----------------------------------------------------------------
+    def close(self) -> None:
+        """Forget peers and deregister memory; idempotent. Release every READ handle first."""
+        if self._closed:
+            return
+        for peer in list(self._peers):
+            try:
+                self.remove_remote(peer)
+            except EngineError as exc:
+                log.warning("%s", exc)
+        if self._reg_descs is not None:
+            try:
+                self._agent.deregister_memory(self._reg_descs)
+            except self._errors as exc:
+                log.warning("deregistering memory of agent %s failed: %s", self.name, exc)
+            self._reg_descs = None
+        self._closed = True
+
+    @contextmanager
+    def _wrap(self, operation: str, peer: str | None = None):
+        if self._closed:
+            raise EngineError("the agent is closed", operation=operation, agent=self.name, peer=peer)
+        try:
+            yield
+        except EngineError:
+            raise
+        except self._errors as exc:
+            raise EngineError(f"{type(exc).__name__}: {exc}", operation=operation, agent=self.name,
+                              peer=peer) from exc

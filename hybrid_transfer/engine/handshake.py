@@ -1,0 +1,126 @@
+"""The handshake's meaning, both sides, without sockets (DESIGN 4: two tiers).
+
+Tier one, equal fields: the two Fingerprints (model dimensions, dtypes, layouts,
+N-1 rule, layer-to-tensor map) must match; a refusal lists every differing field
+with both values. Tier two, compatible geometry: TP sizes, block sizes and
+addresses only need to map onto each other; the producer checks what it can see
+(the consumer's descriptor against its own arithmetic, the TP pair), the consumer
+builds its Planner over every producer rank, which rejects what it cannot map.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import cast
+
+from hybrid_transfer.engine import wire
+from hybrid_transfer.errors import HandshakeError, PlanError, WireDecodeError
+from hybrid_transfer.layout.fingerprint import Fingerprint, fingerprint_diff
+from hybrid_transfer.layout.model import ModelSpec
+from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
+from hybrid_transfer.plan.topology import Topology
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProducerCard:
+    """Everything a producer rank tells consumers; immutable, so the listener thread may read it freely."""
+
+    model: ModelSpec
+    fingerprint: Fingerprint
+    rank: RankDescriptor
+    agent_name: str
+    agent_metadata: bytes
+    engine_id: str
+    incarnation: int
+    engine_addresses: tuple[str, ...]
+    digest: str = field(init=False)
+    accepted_reply: bytes = field(init=False)  # the same bytes for every compatible consumer
+
+    def __post_init__(self) -> None:
+        digest = self.fingerprint.digest()
+        reply = wire.HandshakeReply(
+            accepted=True, engine_id=self.engine_id, incarnation=self.incarnation,
+            engine_addresses=self.engine_addresses, agent_name=self.agent_name,
+            agent_metadata=self.agent_metadata, rank=self.rank,
+        )
+        object.__setattr__(self, "digest", digest)
+        object.__setattr__(self, "accepted_reply", wire.encode(reply, digest))
+
+
+@dataclass
+class ListenerStats:
+    """Counters written only by the listener thread (single writer; readers may see them lag)."""
+
+    accepted: int = 0
+    rejected: int = 0
+    garbage: int = 0
+
+
+def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Callable[[str], None]) -> bytes:
+    """The producer listener's reply to one message; never raises on peer bytes.
+
+    ``on_accept(consumer_agent_name)`` runs before the reply is sent, so the owner knows the
+    agent by the time that agent can notify.
+    """
+    try:
+        _, request = wire.decode(data, wire.Kind.HANDSHAKE_REQUEST)
+    except WireDecodeError as exc:
+        stats.garbage += 1
+        log.info("handshake listener of %s: undecodable message: %s", card.agent_name, exc)
+        return wire.encode(wire.ErrorReply(reason=str(exc)), card.digest)
+    request = cast(wire.HandshakeRequest, request)  # decode() checked the kind
+    diffs = fingerprint_diff(request.fingerprint, card.fingerprint)  # (field, consumer, producer)
+    error = "fields that must be equal differ" if diffs else _incompatible(card, request.rank)
+    if error:
+        stats.rejected += 1
+        reply = wire.HandshakeReply(
+            accepted=False, error=error, engine_id=card.engine_id, incarnation=card.incarnation,
+            differences=tuple(wire.FieldDifference(name, c, p) for name, c, p in diffs),
+        )
+        return wire.encode(reply, card.digest)
+    on_accept(request.agent_name)
+    stats.accepted += 1
+    return card.accepted_reply
+
+
+def _incompatible(card: ProducerCard, consumer: RankDescriptor) -> str:
+    """Tier two as far as the producer can judge it; '' when compatible."""
+    try:
+        geometry_from_descriptor(card.model, consumer)
+        Topology(prefill_tp=card.rank.tp_size, decode_tp=consumer.tp_size, decode_rank=consumer.tp_rank)
+    except (PlanError, ValueError) as exc:
+        return f"incompatible consumer geometry: {exc}"
+    return ""
+
+
+def make_request(fingerprint: Fingerprint, rank: RankDescriptor, agent_name: str, engine_id: str) -> bytes:
+    body = wire.HandshakeRequest(fingerprint=fingerprint, rank=rank, agent_name=agent_name, engine_id=engine_id)
+    return wire.encode(body, fingerprint.digest())
+
+
+def read_reply(data: bytes, *, address: str, digest: str) -> wire.HandshakeReply:
+    """The consumer's reading of a producer rank's reply.
+
+    Raises:
+        HandshakeError: a refusal (with ``differences``), a reply that does not decode, or an
+            accepted reply whose fingerprint digest is not ours.
+    """
+    try:
+        env, body = wire.decode(data)
+    except WireDecodeError as exc:
+        raise HandshakeError(f"undecodable reply: {exc}", address=address) from exc
+    if isinstance(body, wire.ErrorReply):
+        raise HandshakeError(f"the producer could not read our request: {body.reason}", address=address)
+    if not isinstance(body, wire.HandshakeReply):
+        raise HandshakeError(f"expected a handshake reply, got {env.kind.name}", address=address)
+    if not body.accepted:
+        raise HandshakeError(body.error, address=address,
+                             differences=[(d.field, d.consumer, d.producer) for d in body.differences])
+    if env.fingerprint != digest or body.rank is None or not body.agent_metadata:
+        raise HandshakeError(f"accepted reply is inconsistent (fingerprint {env.fingerprint!r}, ours {digest!r})",
+                             address=address)
+    return body

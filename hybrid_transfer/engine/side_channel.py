@@ -1,0 +1,144 @@
+"""ZeroMQ transport of the handshake: a producer ROUTER served by one thread, consumer DEALERs.
+
+Only bytes cross this module; what they mean is handshake.py's business.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+
+import zmq
+
+log = logging.getLogger(__name__)
+
+_POLL_MS = 50  # how often the listener looks at its stop flag; close() waits at most this long
+
+
+class HandshakeServer:
+    """A ROUTER socket answered by a named daemon thread.
+
+    Guarantees: the thread only runs ZeroMQ and ``respond`` (which must be pure: zmq and msgspec
+    over immutable, precomputed data; it never touches the NIXL agent), so handshakes are answered
+    while the owner thread is busy. A frame that is not one message of ours is answered with
+    whatever ``respond`` makes of it, or dropped; the thread never dies of peer bytes.
+    ``close()`` is idempotent, stops the thread and waits for it.
+    """
+
+    def __init__(self, host: str, port: int, respond: Callable[[bytes], bytes | None], *, name: str):
+        self._respond = respond
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting consumer keeps its identity
+        if port:
+            self._sock.bind(f"tcp://{host}:{port}")
+        else:
+            port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self.num_served = 0
+        self.num_dropped = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start answering (bind happens in the constructor, so ``address`` is known before)."""
+        self._thread.start()
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            try:
+                if not poller.poll(_POLL_MS):
+                    continue
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                if self._stop.is_set():
+                    break
+                log.warning("handshake listener %s: %s", self.address, exc)
+                continue
+            identity, payload = frames[0], frames[1:]
+            # DEALER peers send one frame; REQ peers prepend an empty delimiter we must echo.
+            prefix = [b""] if payload and payload[0] == b"" else []
+            payload = payload[len(prefix):]
+            try:
+                reply = self._respond(payload[0] if len(payload) == 1 else b"".join(payload))
+            except Exception:  # noqa: BLE001 - respond is ours, but this thread must outlive its bugs
+                log.exception("handshake listener %s: responder failed", self.address)
+                reply = None
+            if reply is None:
+                self.num_dropped += 1
+                continue
+            try:
+                self._sock.send_multipart([identity, *prefix, reply], zmq.NOBLOCK)
+                self.num_served += 1
+            except zmq.ZMQError as exc:
+                self.num_dropped += 1
+                log.debug("handshake listener %s: reply not sent: %s", self.address, exc)
+        self._sock.close(0)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        else:
+            self._sock.close(0)
+        self._ctx.term()
+
+
+class HandshakeClient:
+    """One DEALER per producer rank address, non-blocking; owned by the consumer's owner thread."""
+
+    def __init__(self):
+        self._ctx = zmq.Context()
+        self._socks: dict[str, zmq.Socket] = {}
+        self._poller = zmq.Poller()
+
+    def send(self, address: str, payload: bytes) -> None:
+        """Queue ``payload`` for ``address`` (connecting on first use); never blocks."""
+        sock = self._socks.get(address)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 64)
+            sock.connect(address)
+            self._socks[address] = sock
+            self._poller.register(sock, zmq.POLLIN)
+        sock.send(payload, zmq.NOBLOCK)
+
+    def receive(self, timeout_ms: int = 0) -> list[tuple[str, bytes]]:
+        """Every reply waiting now (or within ``timeout_ms``), as (address, payload)."""
+        if not self._socks:
+            return []
+        out = []
+        events = dict(self._poller.poll(timeout_ms))
+        for address, sock in self._socks.items():
+            if sock not in events:
+                continue
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                out.append((address, frames[-1]))
+        return out
+
+    def drop(self, addresses: Iterable[str]) -> None:
+        """Close the sockets of peers we are done with (replies that arrive later are lost)."""
+        for address in addresses:
+            sock = self._socks.pop(address, None)
+            if sock is not None:
+                self._poller.unregister(sock)
+                sock.close(0)
+
+    def close(self) -> None:
+        self.drop(list(self._socks))
+        self._ctx.term()

@@ -1,0 +1,195 @@
+"""Messages between engines: msgpack-encoded, frozen, tagged msgspec Structs; never pickle.
+
+Every side-channel message and NIXL notification is an ``Envelope`` decoded in two
+phases: first the envelope (protocol version, sender's fingerprint digest, kind),
+checked before anything else, then its body with a typed Decoder built once.
+The Envelope's own layout never changes; bodies evolve by adding fields with
+defaults at the end and bumping PROTOCOL_VERSION.
+
+Version log:
+  1: Envelope; HandshakeRequest, HandshakeReply, Ticket, Completion, ErrorReply.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import msgspec
+
+from hybrid_transfer.errors import WireDecodeError
+from hybrid_transfer.layout.fingerprint import Fingerprint
+from hybrid_transfer.plan.rank import RankDescriptor
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
+
+
+class Kind(enum.IntEnum):
+    HANDSHAKE_REQUEST = 1
+    HANDSHAKE_REPLY = 2
+    COMPLETION = 3
+    ERROR = 4
+
+
+class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """Outer frame of every message; its layout is fixed forever (only the body evolves)."""
+
+    version: int
+    fingerprint: str  # sender's Fingerprint.digest(); "" when unknown (an error reply to garbage)
+    kind: Kind
+    body: bytes
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="handshake_request"):
+    """A consumer rank introduces itself to one producer rank."""
+
+    fingerprint: Fingerprint
+    rank: RankDescriptor
+    agent_name: str
+    engine_id: str
+
+
+class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One equal-tier field that differs, with both values."""
+
+    field: str
+    consumer: Any
+    producer: Any
+
+
+class HandshakeReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="handshake_reply"):
+    """A producer rank's answer: its agent and cache, or why it refuses."""
+
+    accepted: bool
+    error: str = ""
+    differences: tuple[FieldDifference, ...] = ()
+    engine_id: str = ""
+    incarnation: int = 0
+    engine_addresses: tuple[str, ...] = ()  # side-channel address of every rank, index == tp_rank
+    agent_name: str = ""
+    agent_metadata: bytes = b""
+    rank: RankDescriptor | None = None
+
+
+class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticket"):
+    """What a producer hands a consumer (through the embedder) so it can read a request.
+
+    Every rank of one producer engine issues the same ticket for a request (same nonce).
+    ``lease_s`` is measured on the producer's clock; never compare it with another host's clock.
+    """
+
+    engine_id: str
+    incarnation: int
+    addresses: tuple[str, ...]  # side-channel address of every producer rank, index == tp_rank
+    tp_size: int
+    request_id: str
+    nonce: int
+    block_ids: tuple[tuple[int, ...], ...]  # per cache group, tensor_map.groups order
+    num_tokens: int
+    state_position: int  # tokens folded into the recurrent state (== num_tokens under the N-1 rule)
+    lease_s: float
+    version: int = PROTOCOL_VERSION
+
+    @property
+    def engine_key(self) -> tuple[str, int]:
+        return (self.engine_id, self.incarnation)
+
+
+class CompletionKind(enum.IntEnum):
+    DONE = 1  # the consumer's READs from this rank (if any) are complete; free when all consumers said so
+
+
+class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="completion"):
+    """A consumer rank tells a producer rank it is finished with a request (DESIGN 3)."""
+
+    request_id: str
+    nonce: int
+    consumer_rank: int
+    expected_consumers: int  # distinct consumer ranks this producer rank hears from for the request
+    kind: CompletionKind = CompletionKind.DONE
+
+
+class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
+    """Answer to a message the listener could not decode."""
+
+    reason: str
+
+
+Body = HandshakeRequest | HandshakeReply | Completion | ErrorReply
+_BODY_OF_KIND = {
+    Kind.HANDSHAKE_REQUEST: HandshakeRequest,
+    Kind.HANDSHAKE_REPLY: HandshakeReply,
+    Kind.COMPLETION: Completion,
+    Kind.ERROR: ErrorReply,
+}
+_ENCODER = msgspec.msgpack.Encoder()
+_ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+_BODY_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _BODY_OF_KIND.items()}
+_TICKET_DECODER = msgspec.msgpack.Decoder(Ticket)
+
+
+def encode(body: Body, fingerprint: str) -> bytes:
+    """Wrap a body in an Envelope of the current protocol version."""
+    kind = next(k for k, cls in _BODY_OF_KIND.items() if isinstance(body, cls))
+    return _ENCODER.encode(Envelope(PROTOCOL_VERSION, fingerprint, kind, _ENCODER.encode(body)))
+
+
+def decode_envelope(data: bytes) -> Envelope:
+    """Phase one: the envelope only.
+
+    Raises:
+        WireDecodeError: not an envelope of ours, or of another protocol version.
+    """
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise WireDecodeError(f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise WireDecodeError(f"message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        env = _ENVELOPE_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireDecodeError(f"not a hybrid_transfer envelope: {exc}") from exc
+    if env.version != PROTOCOL_VERSION:
+        raise WireDecodeError(f"protocol version {env.version}, this side speaks {PROTOCOL_VERSION}",
+                              version=env.version, kind=env.kind.name)
+    return env
+
+
+def decode_body(env: Envelope, expected: Kind | None = None) -> Body:
+    """Phase two: the body, with the typed decoder of the envelope's kind.
+
+    Raises:
+        WireDecodeError: a kind other than ``expected``, or a body that does not decode.
+    """
+    if expected is not None and env.kind is not expected:
+        raise WireDecodeError(f"expected a {expected.name} message, got {env.kind.name}", kind=env.kind.name)
+    try:
+        return _BODY_DECODERS[env.kind].decode(env.body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise WireDecodeError(f"bad {env.kind.name} body: {exc}", kind=env.kind.name) from exc
+
+
+def decode(data: bytes, expected: Kind | None = None) -> tuple[Envelope, Body]:
+    """Both phases; the caller checks ``env.fingerprint`` where it matters."""
+    env = decode_envelope(data)
+    return env, decode_body(env, expected)
+
+
+def encode_ticket(ticket: Ticket) -> bytes:
+    return _ENCODER.encode(ticket)
+
+
+def decode_ticket(data: bytes) -> Ticket:
+    """A ticket from bytes (as handed over by the embedder).
+
+    Raises:
+        WireDecodeError: not a ticket, or of another protocol version.
+    """
+    try:
+        ticket = _TICKET_DECODER.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+        raise WireDecodeError(f"not a ticket: {exc}") from exc
+    if ticket.version != PROTOCOL_VERSION:
+        raise WireDecodeError(f"ticket of protocol version {ticket.version}, this side speaks {PROTOCOL_VERSION}",
+                              version=ticket.version, kind="ticket")
+    return ticket
