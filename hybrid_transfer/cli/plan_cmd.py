@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 
+from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, DType, ModelSpec, load_config_file, load_preset, preset_names
 from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
 from hybrid_transfer.plan.planner import Planner
@@ -77,6 +78,11 @@ def plan_all(model: ModelSpec, prefill_tp: int, decode_tp: int, prefill: CacheOp
              num_tokens: int, mode: PlanMode, fragmentation: float, seed: int,
              decode_rank: int | None = None) -> list[ReadPlan]:
     """Plans of one request for every decode rank (or one), over fake engines with block pools to spare."""
+    if decode_rank is not None and not 0 <= decode_rank < decode_tp:
+        raise ConfigError(f"--decode-rank {decode_rank} is outside [0, {decode_tp})", field="decode_rank",
+                          value=decode_rank)
+    if num_tokens < 0:
+        raise ConfigError(f"--tokens {num_tokens} must be >= 0", field="tokens", value=num_tokens)
     rng = np.random.default_rng(seed)
     probe_p = fake_engine(model, prefill_tp, prefill, 1)[0]
     probe_d = fake_engine(model, decode_tp, decode, 1)[0]

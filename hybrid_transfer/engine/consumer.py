@@ -58,6 +58,7 @@ class ConsumerStats:
     reads_posted: int = 0
     notifications_sent: int = 0
     notify_failures: int = 0  # data in place but a producer rank could not be told (its lease frees it)
+    unexpected_notifications: int = 0  # nothing is sent to consumers yet (aborts will be, issue 5)
 
 
 class Consumer:
@@ -169,6 +170,9 @@ class Consumer:
         """Progress handshakes and READs; return every request that reached DONE or FAILED."""
         self._check_open()
         self._peers.progress()
+        # Also progresses NIXL (progress thread OFF): flushes our notifications, serves peers' wire-up.
+        for messages in self.agent.get_notifs().values():
+            self.stats.unexpected_notifications += len(messages)
         now = self._clock()
         results = []
         for req in list(self._requests.values()):

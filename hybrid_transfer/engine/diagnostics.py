@@ -133,7 +133,7 @@ def run_doctor(options: DoctorOptions, on_check=None) -> DoctorReport:
     else:
         for name in ("transports", "loopback_dram", "loopback_vram"):
             record(not_run(name, "NIXL is not importable"))
-    record(paths.check_cuda_ipc(gpu_present=gpu_present and want_vram, environ=os.environ,
+    record(paths.check_cuda_ipc(gpu_present=gpu_present, environ=os.environ,
                                 vram_transports=paths.observed_transports(vram, paths.Memory.VRAM,
                                                                           options.num_bytes),
                                 device=options.device))

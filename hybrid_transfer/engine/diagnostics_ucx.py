@@ -9,6 +9,15 @@ stream (stdout, or ``UCX_LOG_FILE``). Seen here for a two-process DRAM READ thro
     [1795959126.047886] [vm:8284 :0]   | Range  | Description |                  Config                   |
     [1795959126.047886] [vm:8284 :0]   | 0..inf | zero-copy   | cma/memory                                |
 
+On an H200 (UCX 1.23.0, nixl-cu13 1.5.1), the VRAM READ between two processes, default settings, then with
+``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``:
+
+    | ht-doctor-reader intra-node cfg#2                                     |
+    | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
+    | 0..inf | software emulation | tcp/lo                                  |
+    ...
+    | 0..inf | zero-copy   | cuda_ipc/cuda                                  |
+
 The first title line is ``<worker name> <scope> cfg#<n>`` (NIXL names the UCX worker after the agent;
 scope is ``self`` for the process's own loopback endpoint, ``intra-node`` for a peer on this host), the
 second names the operation and the memory types; each row maps a message size range to a protocol and
@@ -112,8 +121,8 @@ def _parse_row(size_range: str, description: str, config: str) -> ProtoRow | Non
 def read_tables(tables: Sequence[ProtoTable], worker: str, memory_word: str) -> list[ProtoTable]:
     """READ (ucp_get) tables of one worker towards a peer (not ``self``) whose operation names ``memory_word``.
 
-    ``memory_word`` is how UCX names the memory type in the operation line: "host" for DRAM; for GPU
-    memory "cuda" (a table for cuda memory reads "... into cuda memory from cuda").
+    ``memory_word`` is how UCX names the memory type in the operation line: "host" for DRAM ("into host
+    memory from host"), "cuda" for GPU memory ("into cuda/GPU0 from cuda/dev[1]").
     """
     return [
         t for t in tables

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
-from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
@@ -37,7 +36,7 @@ from hybrid_transfer.plan.templates import (
     state_template,
 )
 from hybrid_transfer.plan.topology import Topology
-from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan, SourcePlan
+from hybrid_transfer.plan.types import Notification, PackSourcePlan, PlanMode, ReadPlan, SourcePlan
 from hybrid_transfer.plan.validate import (
     RegionTable,
     block_id_arrays,
@@ -76,7 +75,7 @@ class Planner:
         # Every remote descriptor is checked against its geometry, not only the ones this rank reads.
         all_geos = [geometry_from_descriptor(model, d) for d in self.remote_descs]
         geos = {s: all_geos[s] for s in self.topology.sources}
-        self._check_equal_fields(geos)
+        self._check_equal_fields()
         self.remote = geos[self.topology.sources[0]]  # block sizes are equal across the engine
         pairs = assign_kv_heads(self.local, geos)
         self.templates: tuple[SourceTemplate, ...] = tuple(
@@ -132,12 +131,12 @@ class Planner:
                                     decode_tp=decode_tp, field=name)
         return prefill_tp
 
-    def _check_equal_fields(self, geos: dict[int, RankGeometry]) -> None:
+    def _check_equal_fields(self) -> None:
         diffs = []
         for name in _EQUAL_FIELDS:
             ours = getattr(self.local_desc, name)
-            for s in geos:
-                theirs = getattr(self.remote_descs[s], name)
+            for desc in self.remote_descs:
+                theirs = getattr(desc, name)
                 if theirs != ours:
                     diffs.append((name, ours, theirs))
                     break
@@ -155,7 +154,8 @@ class Planner:
 
     # ---- per request ---------------------------------------------------------
     @property
-    def notify(self):
+    def notify(self) -> tuple[Notification, ...]:
+        """Producer ranks to notify after every request, with the consumer count each must expect."""
         return self.topology.notify
 
     def expected_bytes(self, num_tokens: int) -> int:
@@ -246,13 +246,13 @@ class Planner:
         num_sources = len(self.templates)
         if num_sources == 1:
             bounds = [0, rel_l.shape[0]]
-            rem = self._remote_base[:, :1] + (rel_r & SOURCE_MASK)[None, :]
+            rem = self._remote_base[:, :1] + rel_r[None, :]
         else:
-            src = rel_r >> SOURCE_SHIFT
-            order = np.argsort(src, kind="stable")  # keeps each source's rows ascending in local address
-            src, rel_l, rel_r, rel_len = src[order], rel_l[order], rel_r[order], rel_len[order]
+            # Sorted by tagged local offset, so rows are grouped by source, each ascending in local address.
+            src = rel_l >> SOURCE_SHIFT
+            rel_l = rel_l & SOURCE_MASK
             bounds = np.searchsorted(src, np.arange(num_sources + 1)).tolist()
-            rem = self._remote_base[:, src] + (rel_r & SOURCE_MASK)[None, :]
+            rem = self._remote_base[:, src] + rel_r[None, :]
         loc = self._local_base[:, None] + rel_l[None, :]
         length = rel_len[None, :].repeat(loc.shape[0], axis=0)
         out: list[SourcePlan | PackSourcePlan] = []

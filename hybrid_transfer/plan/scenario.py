@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout.geometry import CacheOptions, RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.layout.tensor_map import build_tensor_map
@@ -39,9 +40,12 @@ def make_block_ids(counts: list[int], num_blocks: int, fragmentation: float,
     """
     total = sum(counts)
     if num_blocks < total:
-        raise ValueError(f"num_blocks={num_blocks} cannot hold {total} blocks")
+        raise ConfigError(f"num_blocks={num_blocks} cannot hold {total} blocks", field="num_blocks", value=num_blocks)
+    if not 0.0 <= fragmentation <= 1.0:
+        raise ConfigError(f"fragmentation={fragmentation} must be in [0, 1]", field="fragmentation",
+                          value=fragmentation)
     ids = np.arange(total, dtype=np.int64)
-    k = int(round(min(max(fragmentation, 0.0), 1.0) * total))
+    k = int(round(fragmentation * total))
     if k:
         positions = rng.choice(total, size=k, replace=False)
         keep = np.setdiff1d(ids, ids[positions])

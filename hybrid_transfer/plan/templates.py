@@ -16,8 +16,9 @@ import numpy as np
 from hybrid_transfer.errors import TopologyError
 from hybrid_transfer.layout.geometry import ConvLayout, RankGeometry
 
-# Remote offsets of a batched template carry the source index above this bit, so one merge over every
-# source never joins two sources' pieces; 2**48 bytes is far beyond any registered region.
+# Local offsets of a batched template carry the source index above this bit: one merge over every
+# source then never joins two sources' pieces, and its sort leaves rows grouped by source.
+# 2**48 bytes is far beyond any registered region.
 SOURCE_SHIFT = 48
 SOURCE_MASK = (1 << SOURCE_SHIFT) - 1
 
@@ -144,7 +145,7 @@ class SourceTemplate:
 
 
 def stack_templates(templates: tuple[SourceTemplate, ...]) -> tuple[KVTemplate, StateTemplate]:
-    """Every source's KV and state templates in one, remote offsets tagged with the source's index."""
+    """Every source's KV and state templates in one, local offsets tagged with the source's index."""
     def tag(values: np.ndarray, index: int) -> np.ndarray:
         return values + (index << SOURCE_SHIFT)
 
@@ -153,13 +154,13 @@ def stack_templates(templates: tuple[SourceTemplate, ...]) -> tuple[KVTemplate, 
         half=np.concatenate([k.half for k in kvs]),
         local_slot=np.concatenate([k.local_slot for k in kvs]),
         remote_slot=np.concatenate([k.remote_slot for k in kvs]),
-        local_const=np.concatenate([k.local_const for k in kvs]),
-        remote_const=np.concatenate([tag(k.remote_const, i) for i, k in enumerate(kvs)]),
+        local_const=np.concatenate([tag(k.local_const, i) for i, k in enumerate(kvs)]),
+        remote_const=np.concatenate([k.remote_const for k in kvs]),
     )
     sts = [t.state for t in templates]
     state = StateTemplate(
-        local_off=np.concatenate([x.local_off for x in sts]),
-        remote_off=np.concatenate([tag(x.remote_off, i) for i, x in enumerate(sts)]),
+        local_off=np.concatenate([tag(x.local_off, i) for i, x in enumerate(sts)]),
+        remote_off=np.concatenate([x.remote_off for x in sts]),
         length=np.concatenate([x.length for x in sts]),
         key=np.concatenate([x.key for x in sts]),
     )

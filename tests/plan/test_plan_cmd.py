@@ -44,3 +44,11 @@ def test_block_size_flags_and_errors_exit_non_zero(capsys):
     capsys.readouterr()
     assert main(["plan", "--preset", "qwen3.5-0.8b", "--prefill-tp", "3", "--decode-tp", "2", "--tokens", "5"]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_bad_decode_rank_and_fragmentation_exit_non_zero(capsys):
+    base = ["plan", "--preset", "qwen3.5-0.8b", "--prefill-tp", "1", "--decode-tp", "2", "--tokens", "5"]
+    assert main(base + ["--decode-rank", "2"]) == 2
+    assert "decode-rank" in capsys.readouterr().err
+    assert main(base + ["--fragmentation", "1.5"]) == 2
+    assert "fragmentation" in capsys.readouterr().err

@@ -115,7 +115,7 @@ def engine(model, tp, options, num_tokens, spare, rng, fragmentation, extra=0):
     return caches, descs, request
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(scenarios())
 def test_every_plan_moves_exactly_the_right_bytes(s):
     rng = np.random.default_rng(s["seed"])

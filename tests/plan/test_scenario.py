@@ -36,3 +36,12 @@ def test_block_ids_are_distinct_and_in_range(fragmentation):
         assert flat == list(range(19))
     if fragmentation == 1.0:
         assert flat != list(range(19))
+
+
+def test_bad_pool_or_fragmentation_is_a_config_error():
+    from hybrid_transfer.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        make_block_ids([16, 1], 10, 0.0, np.random.default_rng(0))
+    with pytest.raises(ConfigError):
+        make_block_ids([1], 10, -0.1, np.random.default_rng(0))

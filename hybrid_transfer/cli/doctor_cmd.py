@@ -1,0 +1,128 @@
+"""`hybrid-transfer doctor`: check NIXL, UCX and this host the way the engine will use them, and say how to fix."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import sys
+import textwrap
+
+from hybrid_transfer.engine.diagnostics import (
+    DEFAULT_NUM_BYTES,
+    MIN_NUM_BYTES,
+    CheckResult,
+    Device,
+    DoctorOptions,
+    DoctorReport,
+    Status,
+    run_doctor,
+)
+from hybrid_transfer.engine.diagnostics_host import engine_side_channel_defaults
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE = re.compile(r"^\s*(\d+)\s*([kmgt]?)(?:i?b)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'64MiB', '64M', '1g', '4096' -> bytes (K, M, G, T are powers of 1024); multiple of 8, >= 4 KiB."""
+    match = _SIZE.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 4096, 16M, 64MiB or 1G")
+    num_bytes = int(match.group(1)) * _UNITS[match.group(2).lower()]
+    if num_bytes < MIN_NUM_BYTES or num_bytes % 8:
+        raise argparse.ArgumentTypeError(f"{text!r} = {num_bytes} B: must be a multiple of 8 and at least "
+                                         f"{MIN_NUM_BYTES} B")
+    return num_bytes
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    host, port = engine_side_channel_defaults()
+    parser = subparsers.add_parser(
+        "doctor",
+        help="check NIXL, UCX transports, loopback transfers and host settings; explain fixes",
+        description=(
+            "Runs these checks, each pass / warn / fail with the fix: nixl (importable, version, which build: "
+            "nixl-cu12 / nixl-cu13), ucx_backend (an agent with UCX can be created; plugins found), transports "
+            "(the transport UCX really selects for a READ, read from its UCX_PROTO_INFO tables), loopback_dram "
+            "and loopback_vram (a one-descriptor READ between two processes, bytes verified, GB/s), "
+            "cuda_ipc_read (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, without which GPU bytes silently go over TCP), "
+            "side_channel_port (the handshake port can be bound), progress_thread (CPU that NIXL's progress "
+            "thread burns while idle). Exit code 0 when no check fails, 1 otherwise. With --json, one JSON "
+            'document on stdout: {"checks": [{"name", "status", "detail", "fix", "data"}], "ok": bool}.'
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print only one JSON document on stdout")
+    parser.add_argument("--device", choices=[d.value for d in Device], default=Device.AUTO.value,
+                        help="cpu: DRAM checks only; cuda: DRAM and GPU (VRAM) checks, failing without a GPU; "
+                             "auto: cuda when torch sees a GPU")
+    parser.add_argument("--host", default=None,
+                        help=f"side-channel host to bind; None means the engine's default ({host})")
+    parser.add_argument("--port", type=int, default=None, metavar="N",
+                        help=f"side-channel port to check; None means the engine's default ({port}; 0 = the "
+                             "producer picks a free port at start)")
+    parser.add_argument("--bytes", type=parse_size, default=DEFAULT_NUM_BYTES, metavar="SIZE", dest="num_bytes",
+                        help="bytes of each loopback READ (one descriptor); K/M/G suffixes are powers of 1024")
+    parser.set_defaults(handler=run)
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr():
+    """Route fd 1 to stderr while the checks run: UCX and NIXL's Python logger print to stdout."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def run(args: argparse.Namespace) -> int:
+    options = DoctorOptions(device=Device(args.device), host=args.host, port=args.port,
+                            num_bytes=args.num_bytes).validate()
+    progress = None if args.json or not sys.stderr.isatty() else _print_progress
+    with _stdout_to_stderr():
+        report = run_doctor(options, on_check=progress)
+    if args.json:
+        print(json.dumps(report.to_builtins(), indent=2))
+    else:
+        print(render(report))
+    return 0 if report.ok else 1
+
+
+def _print_progress(result: CheckResult) -> None:
+    print(f"  {result.name}: {result.status.value}", file=sys.stderr, flush=True)
+
+
+def render(report: DoctorReport, width: int | None = None) -> str:
+    """A compact table (check, status, detail) and, below it, the fix of every check that did not pass."""
+    width = width or max(80, min(shutil.get_terminal_size((120, 24)).columns, 160))
+    name_w = max(len("check"), *(len(c.name) for c in report.checks))
+    status_w = len("status")
+    detail_w = max(30, width - name_w - status_w - 4)
+    lines = [f"{'check'.ljust(name_w)}  {'status'.ljust(status_w)}  detail",
+             f"{'-' * name_w}  {'-' * status_w}  {'-' * min(detail_w, 40)}"]
+    for check in report.checks:
+        wrapped = textwrap.wrap(check.detail, detail_w) or [""]
+        lines.append(f"{check.name.ljust(name_w)}  {check.status.value.upper().ljust(status_w)}  {wrapped[0]}")
+        lines.extend(f"{'':{name_w}}  {'':{status_w}}  {more}" for more in wrapped[1:])
+    fixes = [c for c in report.checks if c.status is not Status.PASS and c.fix]
+    if fixes:
+        lines += ["", "fixes:"]
+        for check in fixes:
+            wrapped = textwrap.wrap(check.fix, width - 4 - len(check.name)) or [""]
+            lines.append(f"  {check.name}: {wrapped[0]}")
+            lines.extend(f"  {'':{len(check.name)}}  {more}" for more in wrapped[1:])
+    failed = sum(c.status is Status.FAIL for c in report.checks)
+    warned = sum(c.status is Status.WARN for c in report.checks)
+    lines += ["", "ok" if report.ok else f"{failed} check(s) failed" + (f", {warned} warning(s)" if warned else "")]
+    if report.ok and warned:
+        lines[-1] = f"ok, {warned} warning(s)"
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""Doctor checks of the host itself: NIXL import and build, UCX backend, side-channel port, progress thread."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import glob
+import importlib
+import importlib.metadata
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+from hybrid_transfer.engine.diagnostics import CheckResult, Status
+
+log = logging.getLogger(__name__)
+
+_BUILDS = ("nixl-cu12", "nixl-cu13", "nixl-rocm")
+# Host port the engine binds when no EngineConfig is importable (it is: these mirror its defaults).
+_FALLBACK_HOST, _FALLBACK_PORT = "127.0.0.1", 0
+BUSY_SPIN_CORE_FRACTION = 0.5  # a thread using at least half a core while the agent is idle is spinning
+FEW_CORES = 8  # at or below this, one spinning core is a large share of the host
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def quiet_nixl_logger() -> None:
+    """NIXL's Python logger prints INFO lines on stdout; keep only its warnings (on its own handler)."""
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def check_nixl_import(meta_module: str = "nixl") -> CheckResult:
+    """1. ``import nixl`` (the meta package picks nixl-cu12 / nixl-cu13 from torch's CUDA); which build it chose."""
+    installed = {d: v for d in _BUILDS if (v := _dist_version(d)) is not None}
+    data: dict[str, Any] = {"meta_version": _dist_version(meta_module), "installed_builds": installed}
+    try:
+        importlib.import_module(meta_module)
+        api = importlib.import_module(f"{meta_module}._api")
+    except Exception as exc:  # ImportError, or whatever the meta package's CUDA probe raised
+        data["error"] = f"{type(exc).__name__}: {exc}"
+        fallback = _fallback_api(installed)
+        if fallback is not None:
+            data["api_module"] = fallback  # the remaining checks can still diagnose the build itself
+        wanted = str(exc).split(" but ")[-1] if "is not installed" in str(exc) else ""
+        fix = (f"pip install {wanted.split()[0]}" if wanted else
+               "pip install nixl  (the meta package; it installs nixl-cu12 and nixl-cu13 and picks one at import)")
+        return CheckResult(name="nixl", status=Status.FAIL,
+                           detail=f"import {meta_module} failed: {data['error']}", fix=fix, data=data)
+    quiet_nixl_logger()
+    package = api.__name__.rsplit(".", 1)[0]  # "nixl_cu13" behind the meta package's alias
+    build = package.replace("_", "-")
+    data.update(api_module=api.__name__, build=build, build_version=_dist_version(build),
+                module_path=os.path.dirname(api.__file__), cuda_major=_detected_cuda_major())
+    detail = (f"nixl {data['meta_version']} -> {build} {data['build_version']} ({data['module_path']}); "
+              f"CUDA seen by nixl: {data['cuda_major'] or 'none'}")
+    return CheckResult(name="nixl", status=Status.PASS, detail=detail, data=data)
+
+
+def _fallback_api(installed: dict[str, str]) -> str | None:
+    for build in installed:
+        name = build.replace("-", "_") + "._api"
+        try:
+            importlib.import_module(name)
+        except Exception:
+            continue
+        return name
+    return None
+
+
+def _detected_cuda_major() -> int | None:
+    try:
+        from nixl_meta_utils import detect_cuda_major
+    except ImportError:
+        return None
+    return detect_cuda_major()
+
+
+def ucx_version(api_module: str) -> str | None:
+    """Version of the UCX library bundled next to the NIXL build (``<build>.libs/libucp-*.so*``)."""
+    module = importlib.import_module(api_module)
+    libs = os.path.dirname(module.__file__) + ".libs"
+    for path in sorted(glob.glob(os.path.join(libs, "libucp*.so*"))):
+        try:
+            fn = ctypes.CDLL(path).ucp_get_version_string
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_char_p
+        return fn().decode()
+    return None
+
+
+def check_ucx_backend(api_module: str) -> CheckResult:
+    """2. An agent with the UCX backend can be created; which plugins NIXL found."""
+    api = importlib.import_module(api_module)
+    quiet_nixl_logger()
+    data: dict[str, Any] = {"plugin_dir_env": os.environ.get("NIXL_PLUGIN_DIR")}
+    try:
+        agent = api.nixl_agent("ht-doctor-probe", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    except Exception as exc:
+        data["error"] = f"{type(exc).__name__}: {exc}"
+        return CheckResult(
+            name="ucx_backend", status=Status.FAIL, detail=f"creating an agent with UCX failed: {data['error']}",
+            fix="NIXL's log above says why; check UCX_TLS (it must leave an active-message transport such as "
+                "tcp) and rerun with UCX_LOG_LEVEL=info", data=data)
+    try:
+        data["plugins"] = sorted(agent.get_plugin_list())
+        data["backends"] = sorted(agent.backends)
+        if "UCX" in agent.backends:
+            data["mem_types"] = sorted(agent.get_backend_mem_types("UCX"))
+    finally:
+        del agent
+    try:
+        data["ucx_version"] = ucx_version(api_module)
+    except Exception as exc:  # informational only
+        log.debug("reading UCX's version failed: %s", exc)
+    if "UCX" not in data["plugins"]:
+        return CheckResult(name="ucx_backend", status=Status.FAIL,
+                           detail=f"no UCX plugin among {data['plugins']}",
+                           fix="reinstall the nixl wheel (its libplugin_UCX.so is missing) or unset a "
+                               "NIXL_PLUGIN_DIR that points elsewhere", data=data)
+    if "UCX" not in data["backends"]:
+        return CheckResult(name="ucx_backend", status=Status.FAIL, detail="the UCX plugin loaded but no backend came up",
+                           fix="rerun with UCX_LOG_LEVEL=info and read NIXL's errors", data=data)
+    detail = (f"UCX {data.get('ucx_version') or '?'} backend up, memory {', '.join(data.get('mem_types', []))}; "
+              f"plugins: {', '.join(data['plugins'])}")
+    return CheckResult(name="ucx_backend", status=Status.PASS, detail=detail, data=data)
+
+
+def engine_side_channel_defaults() -> tuple[str, int]:
+    """(host, port) the engine's producer binds by default."""
+    try:
+        from hybrid_transfer.engine.config import EngineConfig
+    except ImportError:
+        return _FALLBACK_HOST, _FALLBACK_PORT
+    config = EngineConfig()
+    return config.side_channel_host, config.side_channel_port
+
+
+def check_side_channel_port(host: str | None = None, port: int | None = None) -> CheckResult:
+    """6. The side-channel (ZeroMQ) port can be bound on the configured host; None: the engine's default."""
+    default_host, default_port = engine_side_channel_defaults()
+    host = default_host if host is None else host
+    port = default_port if port is None else port
+    data: dict[str, Any] = {"host": host, "port": port}
+    bind_host = None if host in ("*", "0.0.0.0", "") else host.strip("[]")  # ZeroMQ's "*": every interface
+    try:
+        infos = socket.getaddrinfo(bind_host, port, socket.AF_UNSPEC, socket.SOCK_STREAM, 0, socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        return CheckResult(name="side_channel_port", status=Status.FAIL, detail=f"host {host!r} does not resolve: {exc}",
+                           fix="set EngineConfig.side_channel_host to an address of this host", data=data)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # ZeroMQ sets SO_REUSEADDR too: a port left in TIME_WAIT is free for it, one with a listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(1)
+        data["bound_port"] = sock.getsockname()[1]
+    except OSError as exc:
+        data["error"] = f"{errno.errorcode.get(exc.errno, exc.errno)}: {exc.strerror}"
+        if exc.errno == errno.EADDRINUSE:
+            fix = (f"another process listens on {port} (`ss -ltnp 'sport = :{port}'` names it): stop it, or pick "
+                   f"another port (EngineConfig.side_channel_port; 0 lets the engine pick a free one)")
+        elif exc.errno == errno.EACCES:
+            fix = "ports below 1024 need privileges: use a port of 1024 or above (or 0)"
+        else:
+            fix = "set EngineConfig.side_channel_host to an address of this host"
+        return CheckResult(name="side_channel_port", status=Status.FAIL,
+                           detail=f"cannot bind {host}:{port}: {data['error']}", fix=fix, data=data)
+    finally:
+        sock.close()
+    if port == 0:
+        detail = (f"port 0 (the engine's default): the producer binds a free port on {host} at start and "
+                  f"publishes it; a bind here got port {data['bound_port']}")
+    else:
+        detail = f"{host}:{port} is free"
+    return CheckResult(name="side_channel_port", status=Status.PASS, detail=detail, data=data)
+
+
+def measure_idle_cpu(sample_s: float) -> float:
+    """This process's CPU time over ``sample_s`` seconds of sleep, in cores (1.0: one core busy)."""
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    time.sleep(sample_s)
+    return (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def check_progress_thread(api_module: str, sample_s: float = 0.5, num_cores: int | None = None) -> CheckResult:
+    """7. CPU used by NIXL's progress thread (its Python wrapper's default poll delay, 0) on an idle agent."""
+    api = importlib.import_module(api_module)
+    quiet_nixl_logger()
+    baseline = measure_idle_cpu(min(0.2, sample_s))
+    agent = api.nixl_agent("ht-doctor-progress", api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    try:
+        spin = max(0.0, measure_idle_cpu(sample_s) - baseline)
+    finally:
+        del agent
+    engine = _engine_policy_cpu(sample_s, baseline)
+    return judge_progress_thread(spin, usable_cores() if num_cores is None else num_cores, engine)
+
+
+def _engine_policy_cpu(sample_s: float, baseline: float) -> dict[str, Any]:
+    """The engine's default progress policy, measured the same way through its own agent class."""
+    try:
+        from hybrid_transfer.engine.agent import NixlAgent
+        from hybrid_transfer.engine.config import EngineConfig
+
+        config = EngineConfig()
+        agent = NixlAgent("ht-doctor-engine-policy", config)
+    except Exception as exc:  # the engine's agent is optional here; the NIXL figure is the check
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        cores = max(0.0, measure_idle_cpu(sample_s) - baseline)
+    finally:
+        agent.close()
+        del agent
+    return {"policy": config.progress.value, "progress_delay_us": config.progress_delay_us, "cores": round(cores, 3)}
+
+
+def judge_progress_thread(spin_cores: float, num_cores: int, engine: dict[str, Any] | None = None) -> CheckResult:
+    """Verdict on a measured progress-thread load: warn when it spins a core on a host with few cores."""
+    engine = engine or {}
+    data = {"nixl_default_cores": round(spin_cores, 3), "usable_cores": num_cores, "engine_policy": engine}
+    spins = spin_cores >= BUSY_SPIN_CORE_FRACTION
+    ours = ""
+    if "cores" in engine:
+        how = ("thread off, poll() progresses NIXL" if engine["policy"] == "off"
+               else f"thread on, {engine['progress_delay_us']} us delay")
+        ours = f"; the engine's default ({how}) uses {engine['cores']:.2f}"
+    detail = f"NIXL's default progress thread uses {spin_cores:.2f} of a core while idle{ours}"
+    if spins and num_cores <= FEW_CORES:
+        policy = (f"EngineConfig(progress={engine['policy']!r}, progress_delay_us={engine['progress_delay_us']})"
+                  if "cores" in engine else "EngineConfig's default progress policy")
+        return CheckResult(
+            name="progress_thread", status=Status.WARN,
+            detail=f"{detail}: it busy-spins, a large share of this {num_cores}-core host",
+            fix=f"keep the engine's default {policy}; agents created with nixl_agent_config(enable_prog_thread="
+                "True) directly spin a core each (on 2 cores that halves transfer throughput)", data=data)
+    if spins:
+        detail += f" (busy-spins; tolerable with {num_cores} cores, but each agent costs one)"
+    return CheckResult(name="progress_thread", status=Status.PASS, detail=detail, data=data)

@@ -1,0 +1,46 @@
+"""EngineConfig: defaults that work, and every bad field named at start."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from hybrid_transfer.engine import EngineConfig, ProgressPolicy
+from hybrid_transfer.errors import ConfigError
+from hybrid_transfer.plan.types import PlanMode
+
+
+def test_defaults_are_valid_loopback_with_explicit_progress():
+    config = EngineConfig().validate()
+    assert config.side_channel_host == "127.0.0.1" and config.side_channel_port == 0
+    assert config.progress is ProgressPolicy.OFF  # the measured choice (config module docstring)
+    assert config.mode is PlanMode.COALESCED
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("side_channel_host", ""),
+    ("side_channel_port", 70000),
+    ("side_channel_port", -1),
+    ("handshake_timeout_s", 0),
+    ("read_deadline_s", -1.0),
+    ("lease_s", float("inf")),
+    ("lease_s", float("nan")),
+    ("progress_delay_us", -5),
+    ("num_backend_threads", -1),
+    ("mode", PlanMode.PACK),
+    ("mode", PlanMode.AUTO),
+])
+def test_a_bad_field_is_named_with_its_value(field, value):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(**{field: value}).validate()
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_config_is_frozen_and_refuses_unknown_fields():
+    with pytest.raises(AttributeError):
+        EngineConfig().lease_s = 1.0  # type: ignore[misc]
+    with pytest.raises(msgspec.ValidationError, match="unknown"):
+        msgspec.convert({"lease_s": 5.0, "leese_s": 1.0}, EngineConfig)
+    assert msgspec.convert({"progress": "on", "progress_delay_us": 100}, EngineConfig).progress is (
+        ProgressPolicy.ON_WITH_DELAY)
