@@ -105,7 +105,7 @@ def _consumer(conn, preset: str, num_blocks: int, num_tokens: int, reps: int) ->
             idx = np.arange(src.num_descriptors, dtype=np.int32)
             return nixl.make_prepped_xfer("READ", lh, idx, rh, idx), src.num_descriptors
 
-        def per_peer(li=li, ri=ri):
+        def per_peer(li=li, ri=ri, local_h=local_h, remote_h=remote_h):
             return nixl.make_prepped_xfer("READ", local_h, li, remote_h, ri), int(li.shape[0])
 
         for name, make in (("direct", direct), ("prepped", prepped), ("per-peer", per_peer)):

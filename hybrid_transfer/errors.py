@@ -189,9 +189,10 @@ class HandshakeError(HybridTransferError):
     """
 
     def __init__(self, message: str, *, address: str | None = None,
-                 differences: Sequence[tuple[str, Any, Any]] = ()):
+                 differences: Sequence[tuple[str, Any, Any]] = (), engine_key: tuple[str, int] | None = None):
         self.address = address
         self.differences = tuple(differences)
+        self.engine_key = engine_key  # (engine_id, incarnation) of the refusing engine, when it said
         parts = [f"{name}: consumer={ours!r} producer={theirs!r}" for name, ours, theirs in self.differences]
         where = f" (producer {address})" if address else ""
         super().__init__(f"handshake failed{where}: {message}" + (": " + "; ".join(parts) if parts else ""))

@@ -1,6 +1,6 @@
 """Read the protocol tables UCX prints with ``UCX_PROTO_INFO=y``: which transport really moved the bytes.
 
-UCX (the version bundled in the nixl 1.5.1 wheels) prints one table per protocol selection, to its log
+UCX (1.23.0, bundled in the nixl 1.5.1 wheels) prints one table per protocol selection, to its log
 stream (stdout, or ``UCX_LOG_FILE``). Seen here for a two-process DRAM READ through NIXL:
 
     [1795959126.047886] [vm:8284 :0]   | init intra-node cfg#1                                            |

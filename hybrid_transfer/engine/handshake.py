@@ -118,7 +118,7 @@ def read_reply(data: bytes, *, address: str, digest: str) -> wire.HandshakeReply
     if not isinstance(body, wire.HandshakeReply):
         raise HandshakeError(f"expected a handshake reply, got {env.kind.name}", address=address)
     if not body.accepted:
-        raise HandshakeError(body.error, address=address,
+        raise HandshakeError(body.error, address=address, engine_key=(body.engine_id, body.incarnation),
                              differences=[(d.field, d.consumer, d.producer) for d in body.differences])
     if env.fingerprint != digest or body.rank is None or not body.agent_metadata:
         raise HandshakeError(f"accepted reply is inconsistent (fingerprint {env.fingerprint!r}, ours {digest!r})",

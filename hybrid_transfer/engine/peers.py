@@ -170,6 +170,10 @@ class Peers:
         link = link.resolve()
         link.state = LinkState.FAILED
         link.error = error
+        if link.key is None and error.engine_key is not None:
+            # A refusal names its engine: later tickets for it fail at once instead of asking again.
+            link.key = error.engine_key
+            self._links.setdefault(link.key, link)
         stale = [a for a, pending in self._pending.items() if pending is link]
         for address in stale:
             del self._pending[address]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import zmq
-from conftest import TINY
+from harness import TINY
 
 from hybrid_transfer.engine import handshake, wire
 from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TINY
-from harness import RankSpec, hold_everywhere, start_consumers, start_producers
+from harness import TINY, RankSpec, hold_everywhere, start_consumers, start_producers
 
 from hybrid_transfer.engine import EngineConfig
 from hybrid_transfer.layout import CacheOptions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 import pytest
-from conftest import TINY
+from harness import TINY
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
