@@ -12,5 +12,22 @@ Layers, imports pointing down:
 from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset
 
-__all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "load_preset"]
+# Imported on first use: they pull in torch, ZeroMQ and (when used) NIXL, which pure layout users skip.
+_LAZY = {
+    "HybridCache": "hybrid_transfer.cache",
+    "Consumer": "hybrid_transfer.engine",
+    "EngineConfig": "hybrid_transfer.engine",
+    "Producer": "hybrid_transfer.engine",
+    "Ticket": "hybrid_transfer.engine",
+}
+
+__all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "load_preset", *_LAZY]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hybrid_transfer' has no attribute {name!r}")

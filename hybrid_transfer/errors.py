@@ -242,3 +242,21 @@ class ReadDeadlineError(HybridTransferError):
         self.request_id = request_id
         self.deadline_s = deadline_s
         self.state = state
+
+
+# ---- benchmark (hybrid_transfer.bench) ---------------------------------------------
+
+
+class BenchError(HybridTransferError):
+    """A benchmark run failed: a rank process raised or died, or a request did not end DONE.
+
+    ``where`` names the rank process ("prefill 0", "decode 3") or the phase; ``remote_type`` is the
+    type name of an exception raised inside a rank process.
+    """
+
+    def __init__(self, message: str, *, where: str | None = None, request_id: str | None = None,
+                 remote_type: str | None = None):
+        super().__init__((f"{where}: " if where else "") + message)
+        self.where = where
+        self.request_id = request_id
+        self.remote_type = remote_type

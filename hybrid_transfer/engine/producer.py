@@ -77,6 +77,7 @@ class Producer:
             self.descriptor = describe_rank(self.geometry, [r.addr for r in regions], cache.num_blocks,
                                             device_id=regions[0].device_id, is_cuda=regions[0].is_cuda)
             self.fingerprint = fingerprint_of(self.geometry)
+            self._digest = self.fingerprint.digest()
             self._metadata = self.agent.metadata
             self._accepted: queue.SimpleQueue[str] = queue.SimpleQueue()
             self.listener_stats = ListenerStats()
@@ -194,7 +195,7 @@ class Producer:
             self.stats.malformed += 1
             log.info("producer %s: malformed notification from %s: %s", self.agent.name, sender, exc)
             return None
-        if env.fingerprint != self.fingerprint.digest() or not isinstance(body, wire.Completion) or not (
+        if env.fingerprint != self._digest or not isinstance(body, wire.Completion) or not (
                 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
             self.stats.malformed += 1
             return None

@@ -39,14 +39,21 @@ def _transfer(cluster, prefill_tp, decode_tp, p_opts, c_opts, mode, model=TINY, 
         ids = [f"req-{i}" for i in range(len(token_counts))]
         tickets = [hold_everywhere(producers, rid, layout, seed=1000 + i)
                    for i, (rid, layout) in enumerate(zip(ids, remote_layouts, strict=True))]
-        for w, k in zip(consumers.workers, consumers.keys, strict=True):
-            for ticket, layout in zip(tickets, local_layouts, strict=True):
-                w.call("start_read", k, ticket, layout.block_ids, layout.num_tokens)
-        for w, k in zip(consumers.workers, consumers.keys, strict=True):
-            results = w.call("wait_done", k, ids, 60.0)
-            assert [r.state for r in results] == ["done"] * len(ids), results
-            zero = [r for r, n in zip(results, token_counts, strict=True) if n == 0]
-            assert all(r.num_bytes == 0 and r.num_descriptors == 0 for r in zero)
+        # Fan-out: the first consumer rank reads alone first; its producer rank must keep waiting.
+        stages = [[0], list(range(1, decode_tp))] if decode_tp > prefill_tp else [list(range(decode_tp))]
+        for stage in stages:
+            for d in stage:
+                for ticket, layout in zip(tickets, local_layouts, strict=True):
+                    consumers.workers[d].call("start_read", consumers.keys[d], ticket, layout.block_ids,
+                                              layout.num_tokens)
+            for d in stage:
+                results = consumers.workers[d].call("wait_done", consumers.keys[d], ids, 60.0)
+                assert [r.state for r in results] == ["done"] * len(ids), results
+                zero = [r for r, n in zip(results, token_counts, strict=True) if n == 0]
+                assert all(r.num_bytes == 0 and r.num_descriptors == 0 for r in zero)
+            if stage != stages[-1]:
+                producers.workers[0].call("settle", 0.2)
+                assert producers.workers[0].call("producer_status", producers.keys[0], ids)["held"] == ids
         for w, k in zip(producers.workers, producers.keys, strict=True):
             assert w.call("wait_freed", k, ids, 30.0) == sorted(ids)
             status = w.call("producer_status", k)

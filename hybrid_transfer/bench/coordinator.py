@@ -1,0 +1,365 @@
+"""The benchmark's parent process: spawn one process per rank, drive every phase, gather the timings.
+
+Per point (one request shape), per variant (chosen mode, naive, ceiling):
+  open    decode ranks build a Consumer in the variant's mode and handshake (engine variants)
+  warmup  ``--warmup`` requests through the same path (first READs wire up UCX connections)
+  poison  decode caches and ceiling buffers back to 0xA5 (with --verify)
+  timed   prefill ranks hold every request (hold time recorded), enter ``serve``; decode ranks start
+          together at a shared monotonic instant and keep ``--concurrency`` requests in flight
+  verify  every request against the global-coordinate oracle (with --verify), outside the window
+  plan    each decode rank plans the same requests again, timed one by one (engine variants)
+The coordinator passes block ids, tickets and results over pipes; it never touches NIXL.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybrid_transfer.bench import sizing
+from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Variant
+from hybrid_transfer.bench.stats import ConsumerRun, PlanTiming, ProducerServe, VariantStats, summarize
+from hybrid_transfer.bench.worker import STOP, EngineItem, RankSetup, worker_main
+from hybrid_transfer.errors import BenchError, ConfigError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+CALL_TIMEOUT_S = 1800.0  # one command (a verify of a large cache on CPU takes minutes, not hours)
+HANDSHAKE_TIMEOUT_S = 60.0
+START_DELAY_S = 0.05  # decode ranks start together this long after the coordinator sends "run"
+MEMORY_HEADROOM = 0.85  # refuse a CPU run whose estimate exceeds this share of MemAvailable
+CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+
+StepCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class PointResult:
+    point: Point
+    payload_bytes_per_request: int
+    stats: dict[str, VariantStats]  # Variant value -> figures
+
+
+@dataclass
+class BenchResult:
+    spec: BenchSpec
+    points: list[PointResult]
+    memory: sizing.MemoryEstimate
+    host: dict[str, Any]
+    warnings: list[str] = field(default_factory=list)
+
+
+class RankProcess:
+    """One spawned rank process and its command pipe."""
+
+    def __init__(self, ctx, name: str):
+        self.name = name
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=worker_main, args=(child,), name=f"hybrid-transfer-bench-{name}",
+                                   daemon=True)
+        self.process.start()
+        child.close()
+
+    def send(self, op: str, *args: Any) -> None:
+        self.conn.send((op, args))
+
+    def recv(self, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.5):
+            if not self.process.is_alive():
+                raise BenchError(f"process exited with code {self.process.exitcode}", where=self.name)
+            if time.monotonic() >= deadline:
+                raise BenchError(f"no answer within {timeout_s} s", where=self.name)
+        try:
+            status, value = self.conn.recv()
+        except EOFError as exc:
+            raise BenchError("process closed its pipe", where=self.name) from exc
+        if status == "err":
+            type_name, message = value
+            raise BenchError(f"{type_name}: {message}", where=self.name, remote_type=type_name)
+        return value
+
+    def call(self, op: str, *args: Any) -> Any:
+        self.send(op, *args)
+        return self.recv()
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.process.join(timeout=30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+def _all(procs: Sequence[RankProcess], op: str, *args: Any) -> list[Any]:
+    """The same command on every process at once; answers in process order."""
+    for p in procs:
+        p.send(op, *args)
+    return [p.recv() for p in procs]
+
+
+def check_engine_modes(spec: BenchSpec) -> None:
+    """Refuse a mode the engine cannot execute yet, before any process starts."""
+    from hybrid_transfer.engine.config import EngineConfig
+
+    for variant in spec.variants:
+        if variant.plan_mode is None:
+            continue
+        try:
+            EngineConfig(mode=variant.plan_mode).validate()
+        except ConfigError as exc:
+            raise UnsupportedError(f"--mode {variant.value} is not yet supported by the engine ({exc}); "
+                                   "run coalesced or naive") from exc
+
+
+def cuda_environment() -> list[str]:
+    """Make sure UCX may use cuda_ipc READs in the rank processes; return warnings for the user."""
+    value = os.environ.get(CUDA_IPC_VAR)
+    if value is None:
+        os.environ[CUDA_IPC_VAR] = "y"
+        return [f"{CUDA_IPC_VAR} was unset: set to y for the rank processes (without it UCX disables cuda_ipc "
+                "READs on hosts without NVLink and moves GPU bytes over TCP at ~0.5 GB/s); export it yourself "
+                "to silence this"]
+    if value.strip().lower() not in ("y", "yes", "1", "on", "true"):
+        return [f"{CUDA_IPC_VAR}={value}: cuda_ipc READs are disabled, so GPU bytes may move over TCP; "
+                "set it to y for real figures"]
+    return []
+
+
+class Coordinator:
+    """Runs one BenchSpec; ``on_step`` is called with a description after each step (progress bars)."""
+
+    def __init__(self, spec: BenchSpec, on_step: StepCallback | None = None):
+        self.spec = spec.validate()
+        self.on_step = on_step or (lambda _desc: None)
+        self.warnings: list[str] = []
+        self.producers: list[RankProcess] = []
+        self.consumers: list[RankProcess] = []
+        self.ceiling = sizing.ceiling_sizes(self.spec)
+        self.memory = sizing.memory_estimate(self.spec, self.ceiling)
+
+    @property
+    def num_steps(self) -> int:
+        s = self.spec
+        per_engine = 4 + (1 if s.verify else 0)  # open, warmup, timed, plan (+ verify)
+        per_ceiling = 2 + (1 if s.verify else 0)
+        per_point = (1 if s.verify else 0) + sum(per_ceiling if v is Variant.CEILING else per_engine
+                                                 for v in s.variants)
+        return 2 + per_point * len(s.points)
+
+    def run(self) -> BenchResult:
+        check_engine_modes(self.spec)
+        if self.spec.device is Device.CUDA:
+            self.warnings += cuda_environment()
+        else:
+            self._check_host_memory()
+        for w in self.warnings:
+            log.warning("%s", w)
+        try:
+            self._start()
+            points = [self._run_point(i, p) for i, p in enumerate(self.spec.points)]
+        finally:
+            self._close()
+        return BenchResult(self.spec, points, self.memory, _host_info(self.spec), self.warnings)
+
+    # ---- start-up -----------------------------------------------------------------------
+    def _check_host_memory(self) -> None:
+        available = sizing.available_host_bytes()
+        if available is not None and self.memory.total_bytes > MEMORY_HEADROOM * available:
+            raise ConfigError(
+                f"this run needs about {self.memory.total_bytes / 2**30:.1f} GiB (prefill rank "
+                f"{self.memory.prefill_rank_bytes / 2**30:.2f} GiB, decode rank "
+                f"{self.memory.decode_rank_bytes / 2**30:.2f} GiB with --verify's expected copy), "
+                f"{available / 2**30:.1f} GiB are available: use fewer --requests or --tokens",
+                field="requests", value=self.spec.requests)
+
+    def _start(self) -> None:
+        s = self.spec
+        ctx = mp.get_context("spawn")
+        self.producers = [RankProcess(ctx, f"prefill {r}") for r in range(s.prefill_tp)]
+        self.consumers = [RankProcess(ctx, f"decode {r}") for r in range(s.decode_tp)]
+        threads = max(1, (os.cpu_count() or 1) // (s.prefill_tp + s.decode_tp))
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        prefill_id, decode_id = f"prefill-{secrets.token_hex(3)}", f"decode-{secrets.token_hex(3)}"
+        incarnation = secrets.randbits(62)
+        p_blocks, d_blocks = sizing.pool_blocks(s, True), sizing.pool_blocks(s, False)
+        for r, p in enumerate(self.producers):
+            p.send("setup", RankSetup(s.preset, s.kv_dtype, True, s.prefill_tp, r, p_blocks, s.device.value,
+                                      s.gpu_of(True, r), threads, prefill_id, incarnation, s.mode.value, level))
+        for r, c in enumerate(self.consumers):
+            c.send("setup", RankSetup(s.preset, s.kv_dtype, False, s.decode_tp, r, d_blocks, s.device.value,
+                                      s.gpu_of(False, r), threads, decode_id, 0, s.mode.value, level))
+        started = [p.recv() for p in self.producers]
+        for c in self.consumers:
+            c.recv()
+        self.addresses = [a for a, _ in started]
+        self.descriptors = [d for _, d in started]
+        if s.prefill_tp > 1:
+            _all(self.producers, "set_engine_addresses", self.addresses)
+        self.on_step("ranks started")
+        self._open_ceiling()
+        self.on_step("ceiling buffers ready")
+
+    def _open_ceiling(self) -> None:
+        from hybrid_transfer.plan.topology import Topology
+
+        c = self.ceiling
+        seeds = [self.spec.seed * 31 + r + 1 for r in range(self.spec.prefill_tp)]
+        for r, p in enumerate(self.producers):
+            p.send("ceiling_open", c.slots, c.src_slot_bytes[r], seeds[r])
+        sources = [p.recv() for p in self.producers]
+        for d, proc in enumerate(self.consumers):
+            proc.send("ceiling_open", c.slots, c.dst_slot_bytes[d], 0)
+        for proc in self.consumers:
+            proc.recv()
+        for d, proc in enumerate(self.consumers):
+            ranks = Topology(self.spec.prefill_tp, self.spec.decode_tp, d).sources
+            proc.send("ceiling_add_sources", [(s, *sources[s], c.src_slot_bytes[s], seeds[s]) for s in ranks])
+        for proc in self.consumers:
+            proc.recv()
+
+    def _close(self) -> None:
+        for proc in self.consumers + self.producers:
+            try:
+                proc.close()
+            except Exception as exc:  # noqa: BLE001 - keep closing the others
+                log.warning("closing %s failed: %s", proc.name, exc)
+
+    # ---- one point ----------------------------------------------------------------------
+    def _run_point(self, index: int, point: Point) -> PointResult:
+        s = self.spec
+        p_layouts, c_layouts = sizing.layouts(s, point, index)
+        seeds = [sizing.request_seed(s, index, k) for k in range(s.requests)]
+        if s.verify:
+            _all(self.producers, "fill", p_layouts, seeds)
+            self.on_step(f"point {index}: sources filled")
+        lengths = sizing.source_bytes(s, point.tokens)
+        stats: dict[str, VariantStats] = {}
+        for variant in s.variants:
+            if variant is Variant.CEILING:
+                stats[variant.value] = self._run_ceiling(index, lengths)
+            else:
+                stats[variant.value] = self._run_engine(index, point, variant, p_layouts, c_layouts, seeds)
+        payloads = {v: st.payload_bytes for v, st in stats.items()}
+        if len(set(payloads.values())) != 1:
+            raise BenchError(f"variants moved different bytes: {payloads}", where=f"point {index}")
+        per_request = next(iter(payloads.values())) // s.requests
+        return PointResult(point, per_request, stats)
+
+    def _run_engine(self, index: int, point: Point, variant: Variant, p_layouts, c_layouts,
+                    seeds: list[int]) -> VariantStats:
+        s = self.spec
+        tag = f"p{index}-{variant.value}"
+        _all(self.consumers, "open_consumer", variant.value, self.addresses[0], self.descriptors,
+             HANDSHAKE_TIMEOUT_S)
+        self.on_step(f"{tag}: consumers connected")
+        warm = min(s.warmup, s.requests)
+        if warm:
+            self._engine_phase(f"{tag}-warm", p_layouts[:warm], c_layouts[:warm])
+        if s.verify:
+            _all(self.consumers, "poison")
+        self.on_step(f"{tag}: warmed up")
+        runs, serves = self._engine_phase(tag, p_layouts, c_layouts)
+        self.on_step(f"{tag}: timed")
+        if s.verify:
+            _all(self.consumers, "verify", c_layouts, seeds)
+            self.on_step(f"{tag}: verified")
+        plans: list[PlanTiming] = _all(self.consumers, "plan_times", [c.block_ids for c in c_layouts],
+                                       [p.block_ids for p in p_layouts], point.tokens, variant.value)
+        _all(self.consumers, "close_consumer")
+        self.on_step(f"{tag}: planned again")
+        return dataclasses.replace(summarize(variant.value, runs, serves, plans), verified=s.verify)
+
+    def _engine_phase(self, tag: str, p_layouts, c_layouts) -> tuple[list[ConsumerRun], list[ProducerServe]]:
+        from hybrid_transfer.engine import decode_ticket
+
+        rids = [f"{tag}-{k}" for k in range(len(p_layouts))]
+        tickets, hold0 = self.producers[0].call("hold", rids, p_layouts, None)
+        nonces = [decode_ticket(t).nonce for t in tickets]
+        holds = [hold0] + [h for _, h in _all(self.producers[1:], "hold", rids, p_layouts, nonces)]
+        items = [EngineItem(rid, t, c.block_ids, c.num_tokens) for rid, t, c in zip(rids, tickets, c_layouts,
+                                                                                     strict=True)]
+        runs, serves = self._timed(rids, "run_engine", lambda _d: (items,))
+        missing = {p.rank: sorted(set(rids) - p.freed_at.keys()) for p in serves if set(rids) - p.freed_at.keys()}
+        if missing:
+            raise BenchError(f"prefill ranks never freed these requests (lost notifications?): {missing}",
+                             where=tag)
+        serves = [dataclasses.replace(sv, hold_s=tuple(holds[sv.rank])) for sv in serves]
+        return runs, serves
+
+    def _timed(self, rids: list[str], op: str,
+               args_of: Callable[[int], tuple]) -> tuple[list[ConsumerRun], list[ProducerServe]]:
+        """Prefill ranks serve while decode rank d runs ``op(*args_of(d), concurrency, start)`` from one instant."""
+        for p in self.producers:
+            p.send("serve", rids)
+        start_at = time.monotonic() + START_DELAY_S + 0.005 * len(self.consumers)
+        try:
+            for d, c in enumerate(self.consumers):
+                c.send(op, *args_of(d), self.spec.concurrency, start_at)
+            runs = [c.recv() for c in self.consumers]
+        finally:
+            for p in self.producers:
+                try:
+                    p.conn.send(STOP)
+                except (BrokenPipeError, OSError):
+                    pass
+        serves = [p.recv() for p in self.producers]
+        return runs, serves
+
+    def _run_ceiling(self, index: int, lengths: list[dict[int, int]]) -> VariantStats:
+        s = self.spec
+        tag = f"p{index}-ceiling"
+        warm = min(s.warmup, s.requests)
+        if warm:
+            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths)
+        if s.verify:
+            _all(self.consumers, "poison")
+        self.on_step(f"{tag}: warmed up")
+        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths)
+        self.on_step(f"{tag}: timed")
+        if s.verify:
+            slots_used = min(self.ceiling.slots, s.requests)
+            for d, proc in enumerate(self.consumers):
+                proc.send("ceiling_verify", slots_used, lengths[d])
+            for proc in self.consumers:
+                proc.recv()
+            self.on_step(f"{tag}: verified")
+        return dataclasses.replace(summarize(Variant.CEILING.value, runs, serves), verified=s.verify)
+
+    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]]):
+        return self._timed([], "run_ceiling", lambda d: (rids, lengths[d]))
+
+
+def run_bench(spec: BenchSpec, on_step: StepCallback | None = None) -> BenchResult:
+    """Run a benchmark end to end (spawns and closes its rank processes)."""
+    return Coordinator(spec, on_step).run()
+
+
+def _host_info(spec: BenchSpec) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    info: dict[str, Any] = {"cpu_count": os.cpu_count(), "python": platform.python_version(),
+                            "torch": torch.__version__, "platform": platform.platform()}
+    try:
+        from importlib.metadata import version
+
+        info["nixl"] = version("nixl")
+    except Exception:  # noqa: BLE001 - a version is nice to have, never required
+        info["nixl"] = None
+    if spec.device is Device.CUDA:
+        info[CUDA_IPC_VAR] = os.environ.get(CUDA_IPC_VAR)
+    return info

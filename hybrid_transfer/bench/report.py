@@ -1,0 +1,149 @@
+"""What a run reports: flat JSON records (one per point) and the terminal summary table."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from hybrid_transfer.bench.coordinator import BenchResult, PointResult
+from hybrid_transfer.bench.spec import Device, Sweep, Variant
+from hybrid_transfer.bench.stats import VariantStats, ratio
+
+# Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" for those two.
+_FIGURES = ("gbps", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms", "completion_ms",
+            "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms", "consumer_cpu_s",
+            "producer_cpu_s", "window_s")
+
+
+def _round(x: Any) -> Any:
+    if isinstance(x, float):
+        return round(x, 6)
+    if isinstance(x, (tuple, list)):
+        return [_round(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _round(v) for k, v in x.items()}
+    return x
+
+
+def common_record(result: BenchResult) -> dict[str, Any]:
+    s = result.spec
+    record: dict[str, Any] = {
+        "preset": s.preset, "prefill_tp": s.prefill_tp, "decode_tp": s.decode_tp, "requests": s.requests,
+        "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
+        "kv_dtype": s.kv_dtype or "model", "seed": s.seed, "warmup": s.warmup,
+    }
+    if s.device is Device.CUDA:
+        record["prefill_gpus"] = list(s.prefill_gpus)
+        record["decode_gpus"] = list(s.decode_gpus)
+    return record
+
+
+def point_record(result: BenchResult, point: PointResult) -> dict[str, Any]:
+    """The flat JSON object of one point: the chosen mode's figures bare, naive_* and ceiling_* beside them."""
+    s = result.spec
+    chosen = point.stats[s.mode.value]
+    naive = point.stats[Variant.NAIVE.value]
+    ceiling = point.stats[Variant.CEILING.value]
+    record = common_record(result)
+    record.update(tokens=point.point.tokens, fragmentation=point.point.fragmentation,
+                  payload_bytes_per_request=point.payload_bytes_per_request)
+    for name in _FIGURES:
+        record[name] = getattr(chosen, name)
+    for prefix, stats in (("naive_", naive), ("ceiling_", ceiling)):
+        for name in _FIGURES:
+            record[prefix + name] = getattr(stats, name)
+    record.update(
+        mode_over_ceiling=ratio(chosen.gbps, ceiling.gbps),
+        mode_over_naive=ratio(chosen.gbps, naive.gbps),
+        naive_over_ceiling=ratio(naive.gbps, ceiling.gbps),
+        verified=all(st.verified for st in point.stats.values()),
+        variants={name: dataclasses.asdict(st) for name, st in point.stats.items()},
+    )
+    return _round(record)
+
+
+def to_json(result: BenchResult) -> dict[str, Any]:
+    """One point: its flat record; a sweep: the common fields, ``sweep``, ``sweep_values`` and ``points``."""
+    extra = {"host": result.host, "warnings": result.warnings,
+             "memory_bytes": dataclasses.asdict(result.memory)}
+    records = [point_record(result, p) for p in result.points]
+    if result.spec.sweep is Sweep.NONE:
+        return {**records[0], **extra}
+    key = result.spec.sweep.value
+    return {**common_record(result), "sweep": key, "sweep_values": [r[key] for r in records],
+            "verified": all(r["verified"] for r in records), "points": records, **extra}
+
+
+def headline(result: BenchResult) -> str:
+    s = result.spec
+    p = result.points[0].point
+    shape = f"{s.preset}  P{s.prefill_tp} -> D{s.decode_tp}  {s.device.value}"
+    if s.sweep is Sweep.NONE:
+        mb = result.points[0].payload_bytes_per_request / 1e6
+        return (f"{shape}  {p.tokens} tokens x {s.requests} requests ({mb:,.1f} MB each), concurrency "
+                f"{s.concurrency}, fragmentation {p.fragmentation}, mode {s.mode.value}")
+    return f"{shape}  sweep {s.sweep.value}, {s.requests} requests per point, concurrency {s.concurrency}"
+
+
+def _fmt(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:,.{digits}f}"
+
+
+def table_rows(result: BenchResult) -> list[list[str]]:
+    """Rows of the summary table (strings), one per (point, variant)."""
+    s = result.spec
+    rows = []
+    for pr in result.points:
+        ceiling = pr.stats[Variant.CEILING.value].gbps
+        naive = pr.stats[Variant.NAIVE.value].gbps
+        for name, st in pr.stats.items():
+            row = []
+            if s.sweep is not Sweep.NONE:
+                row.append(str(getattr(pr.point, s.sweep.value)))
+            row += [
+                name + (" (chosen)" if name == s.mode.value and s.mode.value != Variant.NAIVE.value else ""),
+                _fmt(st.gbps), _fmt(ratio(st.gbps, ceiling)),
+                "-" if name == Variant.CEILING.value else _fmt(ratio(st.gbps, naive)),
+                _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3), _fmt(st.p50_ms),
+                _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
+                f"{sum(st.consumer_cpu_s):.2f} / {sum(st.producer_cpu_s):.2f}",
+                "yes" if st.verified else "no",
+            ]
+            rows.append(row)
+    return rows
+
+
+COLUMNS = ("variant", "GB/s", "x ceiling", "x naive", "desc/req", "plan ms", "post ms", "p50 ms", "p99 ms",
+           "notify lag ms", "hold ms", "CPU s dec/pre", "verified")
+NOTES = (
+    "GB/s: payload bytes of all decode ranks / (first post -> last request DONE), bytes in their final place. "
+    "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: NIXL's direct path "
+    "does not merge). plan ms: median planner time per request and rank, measured again outside the window. "
+    "post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy inside the post). "
+    "p50/p99 ms: request latency, first post -> last DONE. notify lag: consumer notify -> producer free "
+    "(median). hold ms: producer hold per request (a pack mode's gather would show here). CPU s: process "
+    "CPU seconds in the window, decode ranks / prefill ranks. ceiling: one READ per (decode rank, source) of "
+    "the same bytes as a single descriptor, same processes."
+)
+
+
+def print_table(result: BenchResult, console) -> None:
+    """The rich summary table on ``console``."""
+    from rich.table import Table
+
+    table = Table(title=headline(result), title_justify="left")
+    if result.spec.sweep is not Sweep.NONE:
+        table.add_column(result.spec.sweep.value, justify="right")
+    for i, col in enumerate(COLUMNS):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in table_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    console.print(NOTES, style="dim")
+    for w in result.warnings:
+        console.print(f"warning: {w}", style="yellow")
+
+
+def stats_of(result: BenchResult, variant: str) -> list[VariantStats]:
+    """One variant's figures at every point, in point order."""
+    return [p.stats[variant] for p in result.points]

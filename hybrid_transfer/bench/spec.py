@@ -1,0 +1,129 @@
+"""What one benchmark run measures: the typed, validated description the CLI builds from its flags."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from hybrid_transfer.errors import ConfigError
+from hybrid_transfer.layout import CacheOptions, DType, load_preset
+from hybrid_transfer.plan.types import PlanMode
+
+KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
+DEFAULT_SWEEP_VALUES = {
+    "fragmentation": (0.0, 0.25, 0.5, 0.75, 1.0),
+    "tokens": (512, 1024, 2048, 4096, 8192),
+}
+
+
+class Device(enum.Enum):
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class Sweep(enum.Enum):
+    NONE = "none"
+    FRAGMENTATION = "fragmentation"
+    TOKENS = "tokens"
+
+
+class Variant(enum.Enum):
+    """What a timed phase moves: the engine in one plan mode, or the single-descriptor ceiling."""
+
+    COALESCED = "coalesced"
+    NAIVE = "naive"
+    PACK = "pack"
+    AUTO = "auto"
+    CEILING = "ceiling"
+
+    @property
+    def plan_mode(self) -> PlanMode | None:
+        return None if self is Variant.CEILING else PlanMode(self.value)
+
+
+class Point(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One sweep point: the request shape every variant of it moves."""
+
+    tokens: int
+    fragmentation: float
+
+
+class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A benchmark run; see ``hybrid-transfer bench --help`` for each field's meaning and default."""
+
+    preset: str = "qwen3.5-0.8b"
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    tokens: int = 2048
+    requests: int = 16
+    concurrency: int = 4
+    fragmentation: float = 0.0
+    mode: PlanMode = PlanMode.COALESCED
+    device: Device = Device.CPU
+    prefill_gpus: tuple[int, ...] = (0,)
+    decode_gpus: tuple[int, ...] = (0,)
+    kv_dtype: str | None = None  # key of KV_DTYPES; None: the model dtype
+    seed: int = 0
+    verify: bool = False
+    warmup: int = 2
+    sweep: Sweep = Sweep.NONE
+    sweep_values: tuple[float, ...] = ()
+
+    def validate(self) -> BenchSpec:
+        """Return self, or raise ConfigError naming the first bad field."""
+        load_preset(self.preset)  # UnknownPresetError names the shipped ones
+        for name in ("prefill_tp", "decode_tp", "requests", "concurrency"):
+            if getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "must be >= 1")
+        p, d = self.prefill_tp, self.decode_tp
+        if p % d and d % p:
+            _bad("decode_tp", d, f"and prefill TP {p}: one must divide the other")
+        if self.tokens < 0:
+            _bad("tokens", self.tokens, "must be >= 0")
+        if not 0.0 <= self.fragmentation <= 1.0:
+            _bad("fragmentation", self.fragmentation, "must be in [0, 1]")
+        if self.warmup < 0:
+            _bad("warmup", self.warmup, "must be >= 0")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            _bad("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_DTYPES)}")
+        for name in ("prefill_gpus", "decode_gpus"):
+            gpus = getattr(self, name)
+            if not gpus or any(g < 0 for g in gpus):
+                _bad(name, gpus, "must list one or more GPU indices >= 0")
+        if self.sweep is Sweep.TOKENS and any(v < 0 or v != int(v) for v in self.sweep_values):
+            _bad("sweep_values", self.sweep_values, "token counts must be non-negative integers")
+        if self.sweep is Sweep.FRAGMENTATION and any(not 0.0 <= v <= 1.0 for v in self.sweep_values):
+            _bad("sweep_values", self.sweep_values, "fragmentations must lie in [0, 1]")
+        if self.sweep is Sweep.NONE and self.sweep_values:
+            _bad("sweep_values", self.sweep_values, "need --sweep fragmentation or --sweep tokens")
+        return self
+
+    @property
+    def cache_options(self) -> CacheOptions:
+        return CacheOptions(kv_dtype=KV_DTYPES[self.kv_dtype] if self.kv_dtype else None)
+
+    @property
+    def points(self) -> tuple[Point, ...]:
+        """The request shapes to run: one, or one per sweep value."""
+        if self.sweep is Sweep.NONE:
+            return (Point(self.tokens, self.fragmentation),)
+        values = self.sweep_values or DEFAULT_SWEEP_VALUES[self.sweep.value]
+        if self.sweep is Sweep.TOKENS:
+            return tuple(Point(int(v), self.fragmentation) for v in values)
+        return tuple(Point(self.tokens, float(v)) for v in values)
+
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling."""
+        chosen = Variant(self.mode.value)
+        return (chosen, Variant.CEILING) if chosen is Variant.NAIVE else (chosen, Variant.NAIVE, Variant.CEILING)
+
+    def gpu_of(self, is_prefill: bool, tp_rank: int) -> int:
+        """GPU index of a rank process: the side's list, round-robin over ranks."""
+        gpus = self.prefill_gpus if is_prefill else self.decode_gpus
+        return gpus[tp_rank % len(gpus)]
+
+
+def _bad(field: str, value: object, why: str) -> None:
+    raise ConfigError(f"bench {field}={value!r} {why}", field=field, value=value)

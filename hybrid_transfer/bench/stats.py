@@ -1,0 +1,191 @@
+"""Timing records from the rank processes, and the figures a variant reports (pure, no clocks).
+
+Every time is ``time.monotonic()`` of the process that took it. CLOCK_MONOTONIC is one clock for
+the whole host on Linux, so times of different processes on ONE host compare; never across hosts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from hybrid_transfer.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """One request on one decode rank.
+
+    t_post: just before start_read (or the ceiling's post); t_posted: when that call returned;
+    t_notify: the consumer's clock when it saw DONE and notified (ReadResult.finished_at);
+    t_done: when the poll that reported DONE returned: the bytes are in place, producers told.
+    completion_s: this request's share of that poll call.
+    """
+
+    request_id: str
+    t_post: float
+    t_posted: float
+    t_notify: float
+    t_done: float
+    num_bytes: int
+    num_descriptors: int
+    completion_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ConsumerRun:
+    """A decode rank's timed phase: its requests and the CPU seconds its process used meanwhile."""
+
+    rank: int
+    timings: tuple[RequestTiming, ...]
+    cpu_s: float
+
+
+@dataclass(frozen=True)
+class ProducerServe:
+    """A prefill rank during a timed phase: when it freed each request, its CPU seconds, its hold times."""
+
+    rank: int
+    freed_at: dict[str, float]
+    cpu_s: float
+    hold_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanTiming:
+    """Planner figures of one decode rank, measured outside the timed window (same planner, same ids)."""
+
+    rank: int
+    plan_s: tuple[float, ...]
+    descriptors: tuple[int, ...]  # per request, after planning (what is posted)
+    pieces: tuple[int, ...]  # per request: copy pieces of pack sources, descriptors otherwise
+
+
+@dataclass(frozen=True)
+class VariantStats:
+    """The figures of one variant at one point; None where the variant has no such figure."""
+
+    variant: str
+    requests: int
+    payload_bytes: int
+    window_s: float
+    gbps: float
+    descriptors_per_request: float
+    pieces_per_request: float | None
+    plan_ms: float | None
+    post_ms: float
+    completion_ms: float
+    p50_ms: float
+    p99_ms: float
+    notify_lag_p50_ms: float | None
+    notify_lag_p99_ms: float | None
+    hold_ms: float | None
+    consumer_cpu_s: tuple[float, ...]
+    producer_cpu_s: tuple[float, ...]
+    verified: bool = False
+    extra: dict = field(default_factory=dict)
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default method).
+
+    Raises:
+        ConfigError: no values, or q outside [0, 100].
+    """
+    data = sorted(values)
+    if not data:
+        raise ConfigError("percentile of no values", field="values", value=[])
+    if not 0 <= q <= 100:
+        raise ConfigError(f"percentile q={q} must be in [0, 100]", field="q", value=q)
+    pos = (len(data) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float]) -> float:
+    return percentile(values, 50)
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    """numerator / denominator, or None when either is missing or the denominator is not positive."""
+    if numerator is None or denominator is None or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def gbps(num_bytes: int, seconds: float) -> float:
+    """Decimal GB/s (1e9 bytes per second); 0 for an empty window."""
+    return num_bytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[ProducerServe] = (),
+              plans: Sequence[PlanTiming] = ()) -> VariantStats:
+    """Figures of one timed phase over every decode rank.
+
+    GB/s: payload bytes of all ranks / (last DONE of any rank - first post of any rank).
+    Request latency: per request, its first post on any rank to its last DONE on any rank.
+    Notification lag: per request, last producer free - last consumer notify.
+
+    Raises:
+        ConfigError: no timings, or ranks that disagree on the request ids.
+    """
+    timings = [t for run in runs for t in run.timings]
+    if not timings:
+        raise ConfigError(f"variant {variant}: no request timings", field="runs", value=len(runs))
+    ids = {t.request_id for t in runs[0].timings}
+    for run in runs[1:]:
+        if {t.request_id for t in run.timings} != ids:
+            raise ConfigError(f"variant {variant}: decode rank {run.rank} timed other requests than rank "
+                              f"{runs[0].rank}", field="runs", value=run.rank)
+    first_post = min(t.t_post for t in timings)
+    last_done = max(t.t_done for t in timings)
+    payload = sum(t.num_bytes for t in timings)
+    window = last_done - first_post
+    per_request: dict[str, list[RequestTiming]] = {}
+    for t in timings:
+        per_request.setdefault(t.request_id, []).append(t)
+    latencies_ms = [(max(x.t_done for x in ts) - min(x.t_post for x in ts)) * 1e3 for ts in per_request.values()]
+    descriptors = [sum(x.num_descriptors for x in ts) for ts in per_request.values()]
+    lags_ms = _notify_lags_ms(per_request, serves)
+    plan_s = [s for p in plans for s in p.plan_s]
+    pieces = _per_request_sums([p.pieces for p in plans])
+    holds = [s for sv in serves for s in sv.hold_s]
+    return VariantStats(
+        variant=variant,
+        requests=len(per_request),
+        payload_bytes=payload,
+        window_s=window,
+        gbps=gbps(payload, window),
+        descriptors_per_request=sum(descriptors) / len(descriptors),
+        pieces_per_request=sum(pieces) / len(pieces) if pieces else None,
+        plan_ms=median(plan_s) * 1e3 if plan_s else None,
+        post_ms=median(t.t_posted - t.t_post for t in timings) * 1e3,
+        completion_ms=median(t.completion_s for t in timings) * 1e3,
+        p50_ms=percentile(latencies_ms, 50),
+        p99_ms=percentile(latencies_ms, 99),
+        notify_lag_p50_ms=percentile(lags_ms, 50) if lags_ms else None,
+        notify_lag_p99_ms=percentile(lags_ms, 99) if lags_ms else None,
+        hold_ms=median(holds) * 1e3 if holds else None,
+        consumer_cpu_s=tuple(r.cpu_s for r in sorted(runs, key=lambda r: r.rank)),
+        producer_cpu_s=tuple(s.cpu_s for s in sorted(serves, key=lambda s: s.rank)),
+    )
+
+
+def _notify_lags_ms(per_request: dict[str, list[RequestTiming]], serves: Sequence[ProducerServe]) -> list[float]:
+    if not serves:
+        return []
+    lags = []
+    for rid, ts in per_request.items():
+        freed = [s.freed_at[rid] for s in serves if rid in s.freed_at]
+        if len(freed) == len(serves):
+            lags.append((max(freed) - max(x.t_notify for x in ts)) * 1e3)
+    return lags
+
+
+def _per_request_sums(columns: Sequence[Sequence[int]]) -> list[int]:
+    """Element-wise sums of per-rank, per-request counts (ranks list the same requests in order)."""
+    if not columns:
+        return []
+    return [sum(c) for c in zip(*columns, strict=True)]
