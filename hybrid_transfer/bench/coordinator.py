@@ -226,7 +226,10 @@ class Coordinator:
             proc.recv()
         for d, proc in enumerate(self.consumers):
             ranks = Topology(self.spec.prefill_tp, self.spec.decode_tp, d).sources
-            proc.send("ceiling_add_sources", [(s, *sources[s], c.src_slot_bytes[s], seeds[s]) for s in ranks])
+            proc.send("ceiling_add_sources", [
+                (s, metadata, base, c.src_slot_bytes[s], device_id, seeds[s])
+                for s in ranks for metadata, base, device_id in [sources[s]]
+            ])
         for proc in self.consumers:
             proc.recv()
 

@@ -341,6 +341,8 @@ def _describe(exc: BaseException) -> tuple[str, str]:
 
 def worker_main(conn) -> None:
     """Command loop of one rank process; replies ("ok", value) or ("err", (type name, message))."""
+    # Only the coordinator writes stdout (the table); UCX and NIXL's logger would print there too.
+    os.dup2(2, 1)
     rank = _Rank(conn)
     try:
         while True:
@@ -352,8 +354,10 @@ def worker_main(conn) -> None:
                     continue
                 op, args = message
                 if op == "setup":
-                    logging.basicConfig(level=args[0].log_level.upper(),
-                                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                    level = args[0].log_level.upper()
+                    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+                    # NIXL's own logger chats at INFO on every agent; keep it at ours, at least WARNING.
+                    logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
                 try:
                     reply = ("ok", _OPS[op](rank, *args))
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the coordinator

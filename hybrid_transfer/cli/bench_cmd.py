@@ -1,0 +1,143 @@
+"""`hybrid-transfer bench`: real transfers between rank processes; GB/s against naive and the ceiling."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hybrid_transfer.bench.spec import DEFAULT_SWEEP_VALUES, KV_DTYPES, BenchSpec, Device, Sweep
+from hybrid_transfer.layout import preset_names
+from hybrid_transfer.plan.types import PlanMode
+
+_DEFAULTS = BenchSpec()
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("the list is empty")
+    return values
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from exc
+    if not values:
+        raise argparse.ArgumentTypeError("the list is empty")
+    return values
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    d = _DEFAULTS
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure transfers between real rank processes: GB/s, descriptors, latency, vs naive and ceiling",
+        description=(
+            "Spawns one process per prefill rank and per decode rank, each with its own NIXL agent (UCX), and "
+            "moves model-shaped requests (paged KV of every attention layer + GDN state) through the engine. "
+            "Every run measures, on the same bytes: the chosen --mode, the naive mode (one descriptor per "
+            "region, kernel block and sub-region, like vLLM) and the ceiling (one READ of the same bytes per "
+            "(decode rank, source) as a single descriptor, between the same processes). Prints a summary "
+            "table; --json and --plot write files."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--preset", default=d.preset, metavar="NAME",
+                        help=f"model preset: {', '.join(preset_names())}")
+    parser.add_argument("--prefill-tp", type=int, default=d.prefill_tp, metavar="P",
+                        help="prefill (producer) TP size: P rank processes")
+    parser.add_argument("--decode-tp", type=int, default=d.decode_tp, metavar="D",
+                        help="decode (consumer) TP size: D rank processes")
+    parser.add_argument("--tokens", type=int, default=d.tokens, metavar="N",
+                        help="tokens per request whose KV moves (the GDN state moves too when N > 0)")
+    parser.add_argument("--requests", type=int, default=d.requests, metavar="R",
+                        help="timed requests per variant; each has its own blocks on both sides, so the caches "
+                             "hold R requests")
+    parser.add_argument("--concurrency", type=int, default=d.concurrency, metavar="C",
+                        help="requests in flight per decode rank")
+    parser.add_argument("--fragmentation", type=float, default=d.fragmentation, metavar="F",
+                        help="share of block ids replaced by random ones, both sides (0: contiguous, 1: shuffled)")
+    parser.add_argument("--mode", choices=[m.value for m in PlanMode], default=d.mode.value,
+                        help="plan mode measured beside naive and the ceiling: coalesced (merge contiguous "
+                             "ranges), naive, pack (gather / one READ / scatter) or auto (cost model); pack and "
+                             "auto need engine support")
+    parser.add_argument("--device", choices=[x.value for x in Device], default=d.device.value,
+                        help="where caches live: cpu (DRAM) or cuda (each rank on its GPU; needs "
+                             "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, set for the ranks when unset)")
+    parser.add_argument("--prefill-gpus", type=_int_list, default=",".join(map(str, d.prefill_gpus)), metavar="LIST",
+                        help="cuda: GPU indices for prefill ranks, round-robin (e.g. 0)")
+    parser.add_argument("--decode-gpus", type=_int_list, default=",".join(map(str, d.decode_gpus)), metavar="LIST",
+                        help="cuda: GPU indices for decode ranks, round-robin (e.g. 1 or 0,1)")
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
+                        help="KV cache dtype on both sides; None means the model dtype")
+    parser.add_argument("--seed", type=int, default=d.seed, help="seed of block ids and byte patterns")
+    parser.add_argument("--verify", action="store_true",
+                        help="fill sources with the global-coordinate pattern and check every byte of every "
+                             "decode cache after each variant (outside the timed window)")
+    parser.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
+                        help="untimed requests per variant before the timed ones (first READs wire up UCX)")
+    parser.add_argument("--sweep", choices=[s.value for s in Sweep if s is not Sweep.NONE], default=None,
+                        help="run every variant at several fragmentations or token counts")
+    parser.add_argument("--sweep-values", type=_float_list, default=None, metavar="LIST",
+                        help="comma-separated values for --sweep; None means "
+                             + "; ".join(f"{k}: {','.join(str(v) for v in vs)}"
+                                         for k, vs in DEFAULT_SWEEP_VALUES.items()))
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="write the figures as JSON (one object; a sweep lists its points)")
+    parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
+                        help="write a PNG of GB/s: against the swept value, or bars without --sweep")
+    parser.set_defaults(handler=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> BenchSpec:
+    return BenchSpec(
+        preset=args.preset, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, tokens=args.tokens,
+        requests=args.requests, concurrency=args.concurrency, fragmentation=args.fragmentation,
+        mode=PlanMode(args.mode), device=Device(args.device), prefill_gpus=tuple(args.prefill_gpus),
+        decode_gpus=tuple(args.decode_gpus), kv_dtype=args.kv_dtype, seed=args.seed, verify=args.verify,
+        warmup=args.warmup, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
+        sweep_values=tuple(args.sweep_values or ()),
+    ).validate()
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from hybrid_transfer.bench.coordinator import Coordinator
+    from hybrid_transfer.bench.plot import write_plot
+    from hybrid_transfer.bench.report import print_table, to_json
+
+    spec = spec_from_args(args)
+    coordinator = Coordinator(spec)
+    if sys.stderr.isatty():
+        result = _run_with_progress(coordinator)
+    else:
+        result = coordinator.run()
+    print_table(result, Console())
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+    if args.plot is not None:
+        write_plot(result, args.plot)
+    return 0
+
+
+def _run_with_progress(coordinator):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("starting rank processes", total=coordinator.num_steps)
+
+        def step(description: str) -> None:
+            progress.update(task, advance=1, description=description)
+
+        coordinator.on_step = step
+        return coordinator.run()
