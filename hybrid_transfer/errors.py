@@ -260,3 +260,62 @@ class BenchError(HybridTransferError):
         self.where = where
         self.request_id = request_id
         self.remote_type = remote_type
+
+
+# ---- request lifecycles under faults (issue 5) ---------------------------------------
+
+
+class PeerDisconnectedError(EngineError):
+    """NIXL reports the peer agent gone (its process died or closed): nothing more moves to or from it."""
+
+
+class SourceLostError(HybridTransferError):
+    """A producer rank a request depends on vanished (``agent``): its READ cannot finish."""
+
+    def __init__(self, *, request_id: str, agent: str, detail: str = ""):
+        super().__init__(f"request {request_id!r}: producer agent {agent!r} is gone" + (f" ({detail})" if detail else ""))
+        self.request_id = request_id
+        self.agent = agent
+        self.detail = detail
+
+
+class TicketRevokedError(HybridTransferError):
+    """The producer aborted the request, or its lease expired, before this consumer finished reading it."""
+
+    def __init__(self, *, request_id: str, nonce: int, agent: str | None = None):
+        super().__init__(f"request {request_id!r}: the producer revoked its ticket"
+                         + (f" (agent {agent!r})" if agent else ""))
+        self.request_id = request_id
+        self.nonce = nonce
+        self.agent = agent
+
+
+class RequestAbortedError(HybridTransferError):
+    """The embedder aborted the request on this side (``state``: where it was when aborted)."""
+
+    def __init__(self, *, request_id: str, state: str):
+        super().__init__(f"request {request_id!r} aborted while {state}")
+        self.request_id = request_id
+        self.state = state
+
+
+class FenceError(HybridTransferError, ValueError):
+    """Blocks handed over while an engine step that writes them has not finished (step fences)."""
+
+    def __init__(self, message: str, *, block_ids: Sequence[int], steps: Sequence[int], finished_step: int):
+        super().__init__(f"{message}: blocks {list(block_ids)} wait for steps {list(steps)}, "
+                         f"finished up to {finished_step}")
+        self.block_ids = tuple(block_ids)
+        self.steps = tuple(steps)
+        self.finished_step = finished_step
+
+
+class BlockBusyError(HybridTransferError, ValueError):
+    """Local blocks still owned by another request (reading, or quarantined until nothing can write them)."""
+
+    def __init__(self, *, request_id: str, block_ids: Sequence[int], owners: Sequence[str]):
+        super().__init__(f"request {request_id!r}: local blocks {list(block_ids)} still belong to "
+                         f"{sorted(set(owners))}")
+        self.request_id = request_id
+        self.block_ids = tuple(block_ids)
+        self.owners = tuple(owners)

@@ -6,7 +6,7 @@ NIXL agent (the engine's NixlAgent, same EngineConfig) over one flat buffer: ``s
 per rank, one per request in flight, so concurrent reads never share bytes. Same processes,
 same transport, same post/check path as the engine's reads; no plan and no notification.
 
-Buffers carry a cheap counter-hash pattern with bit 0 of every byte clear; poison (0xA5) has it
+Buffers carry a periodic counter-hash pattern (copied, not computed, per byte) with bit 0 of every byte clear; poison (0xA5) has it
 set, so a byte the READ never wrote cannot pass the check.
 """
 
@@ -24,21 +24,22 @@ from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.errors import ConfigError, VerificationError
 from hybrid_transfer.verify import POISON_BYTE
 
-_CHUNK = 1 << 24
+_PERIOD = 1_048_573  # a prime number of bytes: a segment read from a wrong offset does not line up
 _MUL = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (torch multiplication wraps)
 
 
 def fill_pattern(buf: torch.Tensor, seed: int) -> None:
-    """Write the pattern of ``seed`` into a flat uint8 tensor, in chunks (int64 temporaries stay small)."""
-    for off in range(0, buf.numel(), _CHUNK):
-        buf[off : off + _CHUNK] = _pattern(off, min(_CHUNK, buf.numel() - off), seed, buf.device)
+    """Write the pattern of ``seed`` into a flat uint8 tensor (byte o holds period[o % _PERIOD])."""
+    base = _period(seed, buf.device)
+    for pos, phase, take in _pieces(0, buf.numel()):
+        buf[pos : pos + take] = base[phase : phase + take]
 
 
 def check_pattern(buf: torch.Tensor, seed: int, offset: int, what: str) -> None:
     """Raise VerificationError unless ``buf`` holds bytes [offset, offset + len) of the pattern of ``seed``."""
-    for pos in range(0, buf.numel(), _CHUNK):
-        want = _pattern(offset + pos, min(_CHUNK, buf.numel() - pos), seed, buf.device)
-        got = buf[pos : pos + want.numel()]
+    base = _period(seed, buf.device)
+    for pos, phase, take in _pieces(offset, buf.numel()):
+        got, want = buf[pos : pos + take], base[phase : phase + take]
         if not torch.equal(got, want):
             bad = int((got != want).nonzero()[0].item())
             raise VerificationError(
@@ -47,8 +48,19 @@ def check_pattern(buf: torch.Tensor, seed: int, offset: int, what: str) -> None:
                 location=what, expected_byte=int(want[bad]), actual_byte=int(got[bad]))
 
 
-def _pattern(offset: int, n: int, seed: int, device: torch.device) -> torch.Tensor:
-    x = torch.arange(offset, offset + n, dtype=torch.int64, device=device) + ((seed & 0x7FFFF) << 40)
+def _pieces(offset: int, n: int):
+    """(position in the buffer, phase in the period, length) covering [offset, offset + n) of the pattern."""
+    pos, phase = 0, offset % _PERIOD
+    while pos < n:
+        take = min(_PERIOD - phase, n - pos)
+        yield pos, phase, take
+        pos += take
+        phase = 0
+
+
+def _period(seed: int, device: torch.device) -> torch.Tensor:
+    """One period of the pattern: a counter hash, bit 0 of every byte clear (never the poison byte)."""
+    x = torch.arange(_PERIOD, dtype=torch.int64, device=device) + ((seed & 0x7FFFF) << 40)
     x = x * _MUL
     x = x ^ (x >> 29)
     x = x * _MUL
@@ -74,7 +86,8 @@ class CeilingEnd:
             raise ConfigError(f"ceiling needs slots >= 1 and slot_bytes >= 1, got {slots} x {slot_bytes}",
                               field="ceiling", value=(slots, slot_bytes))
         self.slots, self.slot_bytes = slots, slot_bytes
-        self.buffer = torch.empty(slots * slot_bytes, dtype=torch.uint8, device=device)
+        # Written now, like the caches (torch.zeros): untouched pages would fault inside the timed READs.
+        self.buffer = torch.full((slots * slot_bytes,), POISON_BYTE, dtype=torch.uint8, device=device)
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
         self.agent = NixlAgent(name, config)
         self.agent.register([Region(self.buffer.data_ptr(), self.buffer.numel(), self.device_id,

@@ -79,8 +79,8 @@ class RankProcess:
                 raise BenchError(f"no answer within {timeout_s} s", where=self.name)
         try:
             status, value = self.conn.recv()
-        except EOFError as exc:
-            raise BenchError("process closed its pipe", where=self.name) from exc
+        except (EOFError, OSError) as exc:
+            raise BenchError(f"process closed its pipe ({type(exc).__name__})", where=self.name) from exc
         if status == "err":
             type_name, message = value
             raise BenchError(f"{type_name}: {message}", where=self.name, remote_type=type_name)
@@ -144,6 +144,7 @@ class Coordinator:
     def __init__(self, spec: BenchSpec, on_step: StepCallback | None = None):
         self.spec = spec.validate()
         self.on_step = on_step or (lambda _desc: None)
+        self._t0 = time.monotonic()
         self.warnings: list[str] = []
         self.producers: list[RankProcess] = []
         self.consumers: list[RankProcess] = []
@@ -173,6 +174,10 @@ class Coordinator:
         finally:
             self._close()
         return BenchResult(self.spec, points, self.memory, _host_info(self.spec), self.warnings)
+
+    def _step(self, description: str) -> None:
+        log.info("%7.2f s  %s", time.monotonic() - self._t0, description)
+        self.on_step(description)
 
     # ---- start-up -----------------------------------------------------------------------
     def _check_host_memory(self) -> None:
@@ -208,9 +213,9 @@ class Coordinator:
         self.descriptors = [d for _, d in started]
         if s.prefill_tp > 1:
             _all(self.producers, "set_engine_addresses", self.addresses)
-        self.on_step("ranks started")
+        self._step("ranks started")
         self._open_ceiling()
-        self.on_step("ceiling buffers ready")
+        self._step("ceiling buffers ready")
 
     def _open_ceiling(self) -> None:
         from hybrid_transfer.plan.topology import Topology
@@ -247,7 +252,7 @@ class Coordinator:
         seeds = [sizing.request_seed(s, index, k) for k in range(s.requests)]
         if s.verify:
             _all(self.producers, "fill", p_layouts, seeds)
-            self.on_step(f"point {index}: sources filled")
+            self._step(f"point {index}: sources filled")
         lengths = sizing.source_bytes(s, point.tokens)
         stats: dict[str, VariantStats] = {}
         for variant in s.variants:
@@ -267,22 +272,22 @@ class Coordinator:
         tag = f"p{index}-{variant.value}"
         _all(self.consumers, "open_consumer", variant.value, self.addresses[0], self.descriptors,
              HANDSHAKE_TIMEOUT_S)
-        self.on_step(f"{tag}: consumers connected")
+        self._step(f"{tag}: consumers connected")
         warm = min(s.warmup, s.requests)
         if warm:
             self._engine_phase(f"{tag}-warm", p_layouts[:warm], c_layouts[:warm])
         if s.verify:
             _all(self.consumers, "poison")
-        self.on_step(f"{tag}: warmed up")
+        self._step(f"{tag}: warmed up")
         runs, serves = self._engine_phase(tag, p_layouts, c_layouts)
-        self.on_step(f"{tag}: timed")
+        self._step(f"{tag}: timed")
         if s.verify:
             _all(self.consumers, "verify", c_layouts, seeds)
-            self.on_step(f"{tag}: verified")
+            self._step(f"{tag}: verified")
         plans: list[PlanTiming] = _all(self.consumers, "plan_times", [c.block_ids for c in c_layouts],
                                        [p.block_ids for p in p_layouts], point.tokens, variant.value)
         _all(self.consumers, "close_consumer")
-        self.on_step(f"{tag}: planned again")
+        self._step(f"{tag}: planned again")
         return dataclasses.replace(summarize(variant.value, runs, serves, plans), verified=s.verify)
 
     def _engine_phase(self, tag: str, p_layouts, c_layouts) -> tuple[list[ConsumerRun], list[ProducerServe]]:
@@ -329,16 +334,16 @@ class Coordinator:
             self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths)
         if s.verify:
             _all(self.consumers, "poison")
-        self.on_step(f"{tag}: warmed up")
+        self._step(f"{tag}: warmed up")
         runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths)
-        self.on_step(f"{tag}: timed")
+        self._step(f"{tag}: timed")
         if s.verify:
             slots_used = min(self.ceiling.slots, s.requests)
             for d, proc in enumerate(self.consumers):
                 proc.send("ceiling_verify", slots_used, lengths[d])
             for proc in self.consumers:
                 proc.recv()
-            self.on_step(f"{tag}: verified")
+            self._step(f"{tag}: verified")
         return dataclasses.replace(summarize(Variant.CEILING.value, runs, serves), verified=s.verify)
 
     def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]]):

@@ -11,7 +11,7 @@ from hybrid_transfer.bench.stats import VariantStats, ratio
 
 # Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" for those two.
 _FIGURES = ("gbps", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms", "completion_ms",
-            "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms", "consumer_cpu_s",
+            "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms", "consumer_cpu_s",
             "producer_cpu_s", "window_s")
 
 
@@ -101,10 +101,11 @@ def table_rows(result: BenchResult) -> list[list[str]]:
             if s.sweep is not Sweep.NONE:
                 row.append(str(getattr(pr.point, s.sweep.value)))
             row += [
-                name + (" (chosen)" if name == s.mode.value and s.mode.value != Variant.NAIVE.value else ""),
+                name + ("*" if name == s.mode.value else ""),
                 _fmt(st.gbps), _fmt(ratio(st.gbps, ceiling)),
                 "-" if name == Variant.CEILING.value else _fmt(ratio(st.gbps, naive)),
-                _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3), _fmt(st.p50_ms),
+                _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
+                _fmt(st.overhead_ms, 3), _fmt(st.p50_ms),
                 _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
                 f"{sum(st.consumer_cpu_s):.2f} / {sum(st.producer_cpu_s):.2f}",
                 "yes" if st.verified else "no",
@@ -113,18 +114,34 @@ def table_rows(result: BenchResult) -> list[list[str]]:
     return rows
 
 
-COLUMNS = ("variant", "GB/s", "x ceiling", "x naive", "desc/req", "plan ms", "post ms", "p50 ms", "p99 ms",
-           "notify lag ms", "hold ms", "CPU s dec/pre", "verified")
+COLUMNS = ("variant", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post ms", "ovh ms", "p50 ms", "p99 ms",
+           "lag ms", "hold ms", "CPU s d/p", "verified")
 NOTES = (
-    "GB/s: payload bytes of all decode ranks / (first post -> last request DONE), bytes in their final place. "
-    "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: NIXL's direct path "
-    "does not merge). plan ms: median planner time per request and rank, measured again outside the window. "
-    "post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy inside the post). "
-    "p50/p99 ms: request latency, first post -> last DONE. notify lag: consumer notify -> producer free "
-    "(median). hold ms: producer hold per request (a pack mode's gather would show here). CPU s: process "
-    "CPU seconds in the window, decode ranks / prefill ranks. ceiling: one READ per (decode rank, source) of "
-    "the same bytes as a single descriptor, same processes."
+    "*: the chosen --mode. GB/s: payload bytes of all decode ranks / (first post -> last request DONE), bytes "
+    "in their final place. desc/req: READ descriptors planned per request, all decode ranks (posted as planned: "
+    "NIXL's direct path does not merge). plan ms: median planner time per request and rank, measured again "
+    "outside the window. post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy "
+    "inside the post). ovh ms: post + the share of the poll that saw DONE (per-request CPU overhead). p50/p99 "
+    "ms: request latency, first post -> last DONE. lag ms: consumer notify -> producer free (median). hold ms: "
+    "producer hold per request (a pack mode's gather would show here). CPU s d/p: process CPU seconds in the "
+    "window, decode ranks / prefill ranks. ceiling: one READ per (decode rank, source) of the same bytes as a "
+    "single descriptor, same processes."
 )
+
+
+def plain_table(result: BenchResult) -> str:
+    """The summary table as plain text (where rich is not installed, e.g. a bare GPU image)."""
+    header = ([result.spec.sweep.value] if result.spec.sweep is not Sweep.NONE else []) + list(COLUMNS)
+    rows = [header] + table_rows(result)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    lines = [headline(result), ""]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths,
+                                                                                            strict=True))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    lines += ["", NOTES] + [f"warning: {w}" for w in result.warnings]
+    return "\n".join(lines)
 
 
 def print_table(result: BenchResult, console) -> None:

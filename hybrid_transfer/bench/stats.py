@@ -76,6 +76,7 @@ class VariantStats:
     plan_ms: float | None
     post_ms: float
     completion_ms: float
+    overhead_ms: float  # per request and rank: start_read (plan, validation, post) + its share of the DONE poll
     p50_ms: float
     p99_ms: float
     notify_lag_p50_ms: float | None
@@ -163,6 +164,7 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
         plan_ms=median(plan_s) * 1e3 if plan_s else None,
         post_ms=median(t.t_posted - t.t_post for t in timings) * 1e3,
         completion_ms=median(t.completion_s for t in timings) * 1e3,
+        overhead_ms=median(t.t_posted - t.t_post + t.completion_s for t in timings) * 1e3,
         p50_ms=percentile(latencies_ms, 50),
         p99_ms=percentile(latencies_ms, 99),
         notify_lag_p50_ms=percentile(lags_ms, 50) if lags_ms else None,

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybrid_transfer.bench.stats import ConsumerRun, PlanTiming, ProducerServe, RequestTiming
-from hybrid_transfer.errors import BenchError
+from hybrid_transfer.errors import BenchError, ConfigError
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.002  # wait for the next command between rounds of polling (prefill ranks)
-SERVE_POLL_S = 0.0002  # sleep between producer polls inside a timed window (bounds the notification lag)
+SERVE_POLL_S = 0.001  # producer poll interval in a timed window: bounds the notification lag, costs CPU
 STOP_GRACE_S = 10.0  # after "stop", how long a prefill rank still waits for outstanding frees
 STOP = "stop"
 
@@ -108,6 +108,11 @@ def op_setup(rank: _Rank, setup: RankSetup):
     torch.set_num_threads(setup.torch_threads)
     device = torch.device("cpu")
     if setup.device == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not 0 <= setup.gpu < count:
+            side = "prefill" if setup.is_prefill else "decode"
+            raise ConfigError(f"{side} rank {setup.tp_rank} is placed on GPU {setup.gpu}, this host has {count} "
+                              f"visible GPU(s)", field=f"{side}_gpus", value=setup.gpu)
         torch.cuda.set_device(setup.gpu)
         device = torch.device("cuda", setup.gpu)
     options = CacheOptions(kv_dtype=KV_DTYPES[setup.kv_dtype] if setup.kv_dtype else None)
@@ -199,7 +204,9 @@ def op_run_engine(rank: _Rank, items, concurrency: int, start_at: float):
     _sleep_until(start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
-        while queue and len(in_flight) < concurrency:
+        # One post per round, then a poll: on CPU the copy may run inside the post, so posting the
+        # whole window before the first poll would charge every request for its predecessors' copies.
+        if queue and len(in_flight) < concurrency:
             rid, ticket, local_ids, num_tokens = queue.popleft()
             t0 = time.monotonic()
             consumer.start_read(ticket, local_ids, expected_state_position=num_tokens)
@@ -290,7 +297,7 @@ def op_run_ceiling(rank: _Rank, request_ids, lengths: dict[int, int], concurrenc
     _sleep_until(start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
-        while queue and free_slots and len(in_flight) < concurrency:
+        if queue and free_slots and len(in_flight) < concurrency:  # one post per round, as in run_engine
             rid, slot = queue.popleft(), free_slots.popleft()
             t0 = time.monotonic()
             handles = ceiling.post(slot, lengths)
@@ -335,6 +342,13 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
+def _quiet_nixl(level: str) -> None:
+    """NIXL configures its logger at INFO when imported (one line per agent): import it now, then raise it."""
+    import nixl._api  # noqa: F401 - the import applies NIXL's logging config
+
+    logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
 def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
@@ -356,8 +370,7 @@ def worker_main(conn) -> None:
                 if op == "setup":
                     level = args[0].log_level.upper()
                     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-                    # NIXL's own logger chats at INFO on every agent; keep it at ours, at least WARNING.
-                    logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+                    _quiet_nixl(level)
                 try:
                     reply = ("ok", _OPS[op](rank, *args))
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the coordinator

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -108,19 +109,24 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from hybrid_transfer.bench.coordinator import Coordinator
     from hybrid_transfer.bench.plot import write_plot
-    from hybrid_transfer.bench.report import print_table, to_json
+    from hybrid_transfer.bench.report import plain_table, print_table, to_json
 
     spec = spec_from_args(args)
     coordinator = Coordinator(spec)
-    if sys.stderr.isatty():
+    has_rich = importlib.util.find_spec("rich") is not None  # the bench extra; bare GPU images may lack it
+    if has_rich and sys.stderr.isatty():
         result = _run_with_progress(coordinator)
     else:
         result = coordinator.run()
-    print_table(result, Console())
+    if has_rich:
+        from rich.console import Console
+
+        # A pipe or file gets the whole table; a terminal gets its own width.
+        print_table(result, Console() if sys.stdout.isatty() else Console(width=160))
+    else:
+        print(plain_table(result))
     if args.json is not None:
         args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
     if args.plot is not None:

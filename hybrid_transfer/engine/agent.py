@@ -10,6 +10,11 @@ Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 - Without NIXL's progress thread the *target* must be progressed too, or a first
   READ from a new peer waits in PROC until the target next calls NIXL (here:
   ``get_notifs``): 11.7 s with a target polling every 5 s.
+- A peer process killed with SIGKILL: the next check of a READ on it, a new post and a
+  notification to it raise nixlRemoteDisconnectError within milliseconds (UCX sees the
+  connection close); the handle then releases. A post can fail after its handle was created:
+  the handle is released here, never leaked. Releasing a READ still in PROC succeeds (UCX
+  cancels it); NIXL may refuse, and the caller must then try again.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import numpy as np
 from hybrid_transfer.cache import Region
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.state import XferState
-from hybrid_transfer.errors import EngineError
+from hybrid_transfer.errors import EngineError, PeerDisconnectedError
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +80,7 @@ def _progress_delay(api: Any, delay_us: int):
 class XferHandle:
     """One posted READ: the NIXL handle, its peer and its last known state."""
 
-    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists")
+    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error")
 
     def __init__(self, handle: Any, peer: str, num_descriptors: int, num_bytes: int, dlists: tuple = ()):
         self.handle = handle
@@ -84,6 +89,7 @@ class XferHandle:
         self.num_descriptors = num_descriptors
         self.num_bytes = num_bytes
         self._dlists = dlists
+        self.error: EngineError | None = None  # why the state became ERR, when NIXL raised instead of saying
 
     @property
     def is_released(self) -> bool:
@@ -105,6 +111,7 @@ class NixlAgent:
         self._reg_descs: Any = None
         self._mem_type = "DRAM"
         self._peers: set[str] = set()
+        self._live: set[XferHandle] = set()  # created and not yet released: what could still write
         use_thread = config.progress is ProgressPolicy.ON_WITH_DELAY
         conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=["UCX"],
                                      num_threads=config.num_backend_threads)
@@ -159,30 +166,54 @@ class NixlAgent:
         n = int(local_descs.shape[0])
         num_bytes = int(local_descs[:, 1].sum()) if n else 0
         prep = self.config.prep
-        with self._wrap("post READ", peer):
-            if prep is PrepStrategy.DIRECT:
-                handle = self._agent.initialize_xfer(
-                    "READ",
-                    self._agent.get_xfer_descs(np.ascontiguousarray(local_descs), self._mem_type),
-                    self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs), self._mem_type),
-                    peer,
-                )
-                dlists: tuple = ()
-            else:
-                local_h = self._agent.prep_xfer_dlist("", np.ascontiguousarray(local_descs), self._mem_type)
-                remote_h = self._agent.prep_xfer_dlist(peer, np.ascontiguousarray(remote_descs), self._mem_type)
-                index = np.arange(n, dtype=np.int32)
-                handle = self._agent.make_prepped_xfer("READ", local_h, index, remote_h, index)
-                dlists = (local_h, remote_h)
-            xfer = XferHandle(handle, peer, n, num_bytes, dlists)
-            xfer.state = XferState.parse(self._agent.transfer(handle))
+        xfer: XferHandle | None = None
+        try:
+            with self._wrap("post READ", peer):
+                if prep is PrepStrategy.DIRECT:
+                    handle = self._agent.initialize_xfer(
+                        "READ",
+                        self._agent.get_xfer_descs(np.ascontiguousarray(local_descs), self._mem_type),
+                        self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs), self._mem_type),
+                        peer,
+                    )
+                    dlists: tuple = ()
+                else:
+                    local_h = self._agent.prep_xfer_dlist("", np.ascontiguousarray(local_descs), self._mem_type)
+                    remote_h = self._agent.prep_xfer_dlist(peer, np.ascontiguousarray(remote_descs), self._mem_type)
+                    index = np.arange(n, dtype=np.int32)
+                    handle = self._agent.make_prepped_xfer("READ", local_h, index, remote_h, index)
+                    dlists = (local_h, remote_h)
+                xfer = XferHandle(handle, peer, n, num_bytes, dlists)
+                self._live.add(xfer)
+                xfer.state = XferState.parse(self._agent.transfer(handle))
+        except EngineError:
+            if xfer is not None:
+                xfer.state = XferState.ERR
+                if not self.release(xfer):
+                    log.warning("agent %s: a READ on %s that failed to post is not released yet", self.name, peer)
+            raise
         return xfer
 
+    @property
+    def num_live_handles(self) -> int:
+        """READ handles created by this agent and not yet released (each one could still write)."""
+        return len(self._live)
+
+    def unreleased(self) -> list[XferHandle]:
+        """The live handles (a post that failed and whose release NIXL refused included)."""
+        return list(self._live)
+
     def check(self, xfer: XferHandle) -> XferState:
-        """Progress NIXL and return the READ's state (sticky once DONE or ERR)."""
+        """Progress NIXL and return the READ's state (sticky once DONE or ERR).
+
+        A NIXL error (the peer disconnected, ...) makes the state ERR with ``xfer.error`` set.
+        """
         if xfer.state is XferState.PROC:
-            with self._wrap("check transfer", xfer.peer):
-                xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
+            try:
+                with self._wrap("check transfer", xfer.peer):
+                    xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
+            except EngineError as exc:
+                xfer.state, xfer.error = XferState.ERR, exc
         return xfer.state
 
     def release(self, xfer: XferHandle) -> bool:
@@ -194,11 +225,14 @@ class NixlAgent:
         except self._errors as exc:
             log.debug("release of a READ on %s refused: %s", xfer.peer, exc)
             return False
-        for dlist in xfer._dlists:
-            with self._wrap("release dlist", xfer.peer):
-                self._agent.release_dlist_handle(dlist)
-        xfer._dlists = ()
+        self._live.discard(xfer)
         xfer.state = XferState.RELEASED
+        for dlist in xfer._dlists:
+            try:
+                self._agent.release_dlist_handle(dlist)
+            except self._errors as exc:
+                log.warning("agent %s: releasing a descriptor list on %s failed: %s", self.name, xfer.peer, exc)
+        xfer._dlists = ()
         return True
 
     # ---- notifications ------------------------------------------------------------
@@ -214,9 +248,12 @@ class NixlAgent:
 
     # ---- teardown -----------------------------------------------------------------
     def close(self) -> None:
-        """Forget peers and deregister memory; idempotent. Release every READ handle first."""
+        """Release what READ handles NIXL lets go of, forget peers, deregister memory; idempotent."""
         if self._closed:
             return
+        for xfer in list(self._live):
+            if not self.release(xfer):
+                log.warning("agent %s closes with a READ on %s it could not release", self.name, xfer.peer)
         for peer in list(self._peers):
             try:
                 self.remove_remote(peer)
@@ -239,5 +276,5 @@ class NixlAgent:
         except EngineError:
             raise
         except self._errors as exc:
-            raise EngineError(f"{type(exc).__name__}: {exc}", operation=operation, agent=self.name,
-                              peer=peer) from exc
+            cls = PeerDisconnectedError if type(exc).__name__ == "nixlRemoteDisconnectError" else EngineError
+            raise cls(f"{type(exc).__name__}: {exc}", operation=operation, agent=self.name, peer=peer) from exc

@@ -59,8 +59,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         free port; read it back from ``Producer.address``).
     handshake_timeout_s: how long a consumer waits for every rank of a producer engine to answer.
     read_deadline_s: how long a consumer request may wait for handshakes and its READs before it fails.
-    lease_s: how long a producer pins a request's blocks, on its own clock; carried in tickets
-        (enforcement and heartbeats come with the lifecycle work, issue 5).
+    lease_s: how long a producer pins a request's blocks, on its own clock; carried in tickets.
+        At expiry the blocks are freed and the ticket revoked; consumer heartbeats push it back.
+    heartbeat_interval_s: how often a consumer renews the leases of the requests it waits for or
+        reads (one NIXL notification per producer rank per interval); must be below lease_s.
+        None: min(5 s, lease_s / 4) (``heartbeat_every_s``).
     progress: who progresses NIXL; see the measured figures in this module's docstring.
     progress_delay_us: sleep of NIXL's progress thread between rounds (ON_WITH_DELAY only).
     num_backend_threads: UCX backend worker threads (0: NIXL's default).
@@ -73,6 +76,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     handshake_timeout_s: float = 10.0
     read_deadline_s: float = 60.0
     lease_s: float = 120.0
+    heartbeat_interval_s: float | None = None
     progress: ProgressPolicy = ProgressPolicy.OFF
     progress_delay_us: int = 100
     num_backend_threads: int = 0
@@ -85,10 +89,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
         if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
-        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s"):
+        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s"):
             value = getattr(self, name)
+            if name == "heartbeat_interval_s" and value is None:
+                continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 _bad(name, value, "must be a positive, finite number of seconds")
+        if self.heartbeat_every_s >= self.lease_s:
+            _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
         if not isinstance(self.progress_delay_us, int) or self.progress_delay_us < 0:
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
         if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
@@ -96,6 +104,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.mode not in _EXECUTABLE_MODES:
             _bad("mode", self.mode.value, f"is not executable yet; use one of {[m.value for m in _EXECUTABLE_MODES]}")
         return self
+
+    @property
+    def heartbeat_every_s(self) -> float:
+        """The heartbeat interval in effect (``heartbeat_interval_s``, or its default from lease_s)."""
+        if self.heartbeat_interval_s is not None:
+            return float(self.heartbeat_interval_s)
+        return min(5.0, self.lease_s / 4)
 
 
 def _bad(field: str, value: object, why: str) -> None:

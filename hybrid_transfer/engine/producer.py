@@ -4,6 +4,12 @@ Threads: the thread that builds a Producer owns it and its NIXL agent (hold, pol
 close). A named daemon thread answers handshakes from immutable, precomputed data
 (handshake.ProducerCard) and passes the names of accepted consumer agents back
 through a queue.
+
+Lifecycle (issue 5; the rules live in holds.py): leases on this rank's clock, renewed by
+consumer heartbeats; aborts that revoke the ticket at every consumer agent that may read it;
+step fences before blocks go back to the embedder. Consumer agents introduce themselves with
+a Hello after their handshake (their metadata, so this rank can notify them) and are answered
+with a Welcome listing revoked tickets; a Bye, or NIXL reporting them disconnected, forgets them.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
+from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.side_channel import HandshakeServer
-from hybrid_transfer.engine.state import Hold, HoldState, transition
-from hybrid_transfer.errors import ConfigError, RequestStateError, WireDecodeError
+from hybrid_transfer.engine.state import Hold, HoldState
+from hybrid_transfer.errors import ConfigError, EngineError, PeerDisconnectedError, RequestStateError, WireDecodeError
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.rank import describe_rank
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
@@ -31,20 +39,32 @@ from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
 log = logging.getLogger(__name__)
 
 _MAX_EXPECTED_CONSUMERS = 1 << 16
+# What consumers send a producer rank; any other kind arriving as a notification is malformed.
+_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye)
 
 
 @dataclass
 class ProducerStats:
-    """Notifications by outcome; only ``completions`` ever frees anything."""
+    """Notifications by outcome; only valid completions, acks and the clock ever free anything."""
 
-    completions: int = 0  # valid, counted towards a free
-    freed: int = 0
-    malformed: int = 0  # not a Completion of ours (garbage, other version or fingerprint)
+    completions: int = 0  # valid, counted towards a free (any kind)
+    completions_aborted: int = 0  # ... of which the consumer's embedder aborted the request
+    completions_failed: int = 0  # ... of which the consumer's read failed
+    freed: int = 0  # holds whose blocks went back to the embedder (whatever their terminal state)
+    malformed: int = 0  # not a message of ours (garbage, other version or fingerprint, a kind we never get)
     unknown_agent: int = 0  # from an agent that never completed a handshake with this rank
-    unknown_request: int = 0  # no such request held (never, or already freed)
+    unknown_request: int = 0  # a completion for no held request (never, or already ended)
     bad_nonce: int = 0  # the request is held, but the sender was not handed its ticket
     duplicate: int = 0  # this consumer rank already reported the request
     inconsistent: int = 0  # an expected-consumer count that contradicts an earlier one
+    renewals: int = 0  # heartbeat entries that renewed a lease
+    stale_heartbeats: int = 0  # heartbeat entries for unknown or ended requests (or another ticket's nonce)
+    hellos: int = 0  # consumer agents welcomed
+    acks: int = 0  # valid revocation acks
+    stale_acks: int = 0  # acks for no revocation this rank waits for
+    byes: int = 0
+    revokes_sent: int = 0
+    notify_failures: int = 0  # a Welcome or Revoke that could not be sent (the agent is then forgotten)
 
 
 class Producer:
@@ -91,9 +111,10 @@ class Producer:
             self.close()
             raise
         self.stats = ProducerStats()
-        self._holds: dict[str, Hold] = {}
-        self._pins: dict[int, int] = {}  # block id -> number of holds pinning it
-        self._known_agents: set[str] = set()
+        self.fences = StepFences()
+        self._book = HoldBook(clock, self.config.lease_s, self.fences)
+        self._known_agents: set[str] = set()  # consumer agents whose handshake this rank accepted
+        self._welcomed: set[str] = set()  # ... which said Hello and were welcomed: the only possible readers
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -131,9 +152,10 @@ class Producer:
             RequestStateError: the request is already held.
             PlanError (subclasses): block ids of the wrong count, out of range or repeated.
             ConfigError: a rank other than 0 without rank 0's nonce, or engine addresses not set.
+            FenceError: a step marked as writing one of the blocks (mark_blocks_written) has not finished.
         """
         self._check_open()
-        if request_id in self._holds:
+        if self._book.get(request_id) is not None:
             raise RequestStateError("is already held", request_id=request_id, state=HoldState.HELD.value)
         if nonce is None and self.tp_rank != 0:
             raise ConfigError(f"rank {self.tp_rank} must hold {request_id!r} with rank 0's nonce", field="nonce")
@@ -148,11 +170,7 @@ class Producer:
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
         nonce = secrets.randbits(63) if nonce is None else int(nonce)
-        now = self._clock()
-        self._holds[request_id] = Hold(request_id, nonce, block_ids, num_tokens, held_at=now, changed_at=now)
-        for group in block_ids:
-            for b in group:
-                self._pins[b] = self._pins.get(b, 0) + 1
+        self._book.add(request_id, nonce, block_ids, num_tokens)
         return wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
             tp_size=self.tp_size, request_id=request_id, nonce=nonce, block_ids=block_ids,
@@ -160,83 +178,180 @@ class Producer:
         )
 
     def is_held(self, request_id: str) -> bool:
-        return request_id in self._holds
+        """Held and not ended (an aborting request is still held)."""
+        return self._book.get(request_id) is not None
+
+    def hold_state(self, request_id: str) -> HoldState | None:
+        hold = self._book.get(request_id)
+        return hold.state if hold is not None else None
 
     @property
     def num_held_requests(self) -> int:
-        return len(self._holds)
+        return self._book.num_held_requests
 
     @property
     def num_held_blocks(self) -> int:
-        """Distinct blocks pinned by at least one request."""
-        return len(self._pins)
+        """Distinct blocks pinned by at least one request (ended ones waiting for step fences included)."""
+        return self._book.num_pinned_blocks
+
+    @property
+    def terminal_counts(self) -> dict[str, int]:
+        """Holds that ended, by terminal state (freed / expired / aborted)."""
+        return dict(self._book.terminal_counts)
+
+    def abort(self, request_id: str) -> bool:
+        """The embedder gives up on a held request; False when it is not held (or already aborting).
+
+        Frees at once when no consumer agent can be reading; otherwise revokes the ticket at
+        every agent that may read it and frees once all have acknowledged, every expected consumer
+        rank has reported, or the lease expires (holds.py). poll() reports the release.
+        """
+        self._check_open()
+        hold = self._book.get(request_id)
+        if hold is None or hold.state is not HoldState.HELD:
+            return False
+        readers = set(self._welcomed)
+        self._book.abort(hold, readers)
+        self._send_revokes(hold, readers)
+        return True
+
+    def mark_blocks_written(self, block_ids: Sequence[int], step: int) -> None:
+        """Engine step ``step`` writes these blocks: hold() refuses them and poll() keeps them until it finished."""
+        self.fences.mark(block_ids, step)
+
+    def finish_step(self, step: int) -> None:
+        """Every engine step up to ``step`` has finished on the device."""
+        self.fences.finish(step)
 
     def poll(self) -> list[str]:
-        """Progress NIXL, take in completion notifications, and return the request ids freed now."""
+        """Progress NIXL, take in notifications, end expired leases; return the request ids released now.
+
+        A released request's blocks are back with the embedder: it ended (freed, expired or
+        aborted) and the step fences of its blocks have passed.
+        """
         self._check_open()
         while True:
             try:
                 self._known_agents.add(self._accepted.get_nowait())
             except queue.Empty:
                 break
-        freed: list[str] = []
         for sender, messages in self.agent.get_notifs().items():
             for message in messages:
-                request_id = self._on_notification(sender, message)
-                if request_id is not None:
-                    freed.append(request_id)
-        return freed
+                self._on_notification(sender, message)
+        for hold in self._book.expire():
+            if hold.state is HoldState.EXPIRED:
+                log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
+                self._send_revokes(hold, set(self._welcomed))
+        released = self._book.pop_released()
+        self.stats.freed += len(released)
+        return released
 
-    def _on_notification(self, sender: str, message: bytes) -> str | None:
-        """Count one notification; return the request id when it completes the request."""
+    def _on_notification(self, sender: str, message: bytes) -> None:
+        """Check and count one notification, then act on it."""
         try:
-            env, body = wire.decode(message, wire.Kind.COMPLETION)
+            env, body = wire.decode(message)
         except WireDecodeError as exc:
             self.stats.malformed += 1
             log.info("producer %s: malformed notification from %s: %s", self.agent.name, sender, exc)
-            return None
-        if env.fingerprint != self._digest or not isinstance(body, wire.Completion) or not (
-                1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
+            return
+        if env.fingerprint != self._digest or not isinstance(body, _FROM_CONSUMERS) or (
+                isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
             self.stats.malformed += 1
-            return None
+            return
         if sender not in self._known_agents:
             self.stats.unknown_agent += 1
             log.warning("producer %s: notification from %s, which never handshaked", self.agent.name, sender)
-            return None
-        hold = self._holds.get(body.request_id)
+            return
+        if isinstance(body, wire.Completion):
+            self._on_completion(sender, body)
+        elif isinstance(body, wire.Heartbeat):
+            self._on_heartbeat(body)
+        elif isinstance(body, wire.Hello):
+            self._on_hello(sender, body)
+        elif isinstance(body, wire.RevokeAck):
+            heard = self._book.ack(body.request.request_id, body.request.nonce, sender)
+            if heard is Heard.STALE:
+                self.stats.stale_acks += 1
+            else:
+                self.stats.acks += 1
+        else:  # Bye
+            self.stats.byes += 1
+            self._forget(sender)
+
+    def _on_completion(self, sender: str, body: wire.Completion) -> None:
+        hold = self._book.get(body.request_id)
         if hold is None:
             self.stats.unknown_request += 1
-            return None
+            return
         if body.nonce != hold.nonce:
             self.stats.bad_nonce += 1
             log.warning("producer %s: wrong nonce for %r from %s", self.agent.name, body.request_id, sender)
-            return None
-        if body.consumer_rank in hold.heard:
+            return
+        heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)
+        if heard is Heard.DUPLICATE:
             self.stats.duplicate += 1
-            return None
-        if hold.expected_consumers is None:
-            hold.expected_consumers = body.expected_consumers
-        elif body.expected_consumers != hold.expected_consumers:
+        elif heard is Heard.INCONSISTENT:
             self.stats.inconsistent += 1
-            return None
-        hold.heard[body.consumer_rank] = sender
-        self.stats.completions += 1
-        if len(hold.heard) < hold.expected_consumers:
-            return None
-        self._free(hold)
-        return hold.request_id
+        else:
+            self.stats.completions += 1
+            if body.kind is wire.CompletionKind.ABORTED:
+                self.stats.completions_aborted += 1
+            elif body.kind is wire.CompletionKind.FAILED:
+                self.stats.completions_failed += 1
 
-    def _free(self, hold: Hold) -> None:
-        transition(hold, HoldState.FREED, self._clock())
-        del self._holds[hold.request_id]
-        for group in hold.block_ids:
-            for b in group:
-                left = self._pins[b] - 1
-                if left:
-                    self._pins[b] = left
-                else:
-                    del self._pins[b]
-        self.stats.freed += 1
+    def _on_heartbeat(self, body: wire.Heartbeat) -> None:
+        for ref in body.requests:
+            hold = self._book.get(ref.request_id)
+            if hold is None or hold.nonce != ref.nonce:
+                self.stats.stale_heartbeats += 1
+                continue
+            self._book.renew(hold)
+            self.stats.renewals += 1
+
+    def _on_hello(self, sender: str, body: wire.Hello) -> None:
+        """Load the consumer agent's metadata and welcome it with the tickets this rank revoked."""
+        try:
+            name = self.agent.add_remote(body.agent_metadata)
+        except EngineError as exc:
+            self.stats.malformed += 1
+            log.warning("producer %s: Hello from %s with unusable metadata: %s", self.agent.name, sender, exc)
+            return
+        if name != sender:
+            self.stats.malformed += 1
+            log.warning("producer %s: Hello from %s carries the metadata of %s", self.agent.name, sender, name)
+            return
+        revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
+        if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))):
+            self._welcomed.add(sender)
+            self.stats.hellos += 1
+
+    def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
+        message = wire.Revoke(request=wire.RequestRef(hold.request_id, hold.nonce), lease_s=float(self.config.lease_s))
+        for agent in sorted(agents):
+            if self._notify(agent, message):
+                self.stats.revokes_sent += 1
+
+    def _notify(self, agent: str, body: wire.Body) -> bool:
+        """Send one message to a consumer agent; one that NIXL cannot reach is forgotten (False)."""
+        try:
+            self.agent.send_notif(agent, wire.encode(body, self._digest))
+            return True
+        except EngineError as exc:
+            self.stats.notify_failures += 1
+            level = logging.INFO if isinstance(exc, PeerDisconnectedError) else logging.WARNING
+            log.log(level, "producer %s: cannot notify %s, forgetting it: %s", self.agent.name, agent, exc)
+            self._forget(agent)
+            return False
+
+    def _forget(self, agent: str) -> None:
+        """A consumer agent reads nothing from here any more: drop it, and stop waiting for its acks."""
+        self._known_agents.discard(agent)
+        self._welcomed.discard(agent)
+        self._book.forget_agent(agent)
+        try:
+            self.agent.remove_remote(agent)
+        except EngineError as exc:
+            log.info("producer %s: removing agent %s: %s", self.agent.name, agent, exc)
 
     # ---- teardown -----------------------------------------------------------------
     def _check_open(self) -> None:
@@ -248,6 +363,9 @@ class Producer:
         if self._closed:
             return
         self._closed = True
+        book = getattr(self, "_book", None)
+        if book is not None:
+            book.drop_all()
         if self._server is not None:
             self._server.close()
         self.agent.close()

@@ -1,15 +1,21 @@
 """Request lifecycles: the state enums and the one function that changes a state.
 
-Consumer reads: WAITING_PEER -> READING -> DONE, with FAILED reachable from any
-live state, through DRAINING whenever a posted READ may still write the local
-blocks (a request is reported only once no handle can write them, DESIGN 4).
-Producer holds: HELD -> FREED. Leases, aborts, quarantine and step fences
-(issue 5) add states and edges here, not flags elsewhere.
+Consumer reads: WAITING_PEER -> READING -> DONE. A failure passes through DRAINING and an
+abort by the embedder through ABORTING: the local blocks sit in quarantine until no NIXL
+handle and no unfinished engine step can write them, and only then is the request FAILED or
+ABORTED and reported (DESIGN 4: a reported request's blocks are safe to reuse).
+
+Producer holds: HELD -> FREED (every expected consumer rank reported), EXPIRED (the lease ran
+out on the producer's clock) or ABORTED. An abort goes straight to ABORTED when no consumer
+agent can be reading; otherwise through ABORTING until every such agent has acknowledged the
+revocation, or the lease expires. A terminal hold's blocks are released to the embedder once
+their step fences have passed (fences.py).
 """
 
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,27 +39,47 @@ class XferState(enum.Enum):
 class ReadState(enum.Enum):
     """A consumer request."""
 
-    WAITING_PEER = "waiting_peer"  # the producer engine's handshake is not finished
+    WAITING_PEER = "waiting_peer"  # the producer engine's handshake (or its welcome) is not finished
     READING = "reading"  # READs posted; notifications go out when all are DONE
-    DRAINING = "draining"  # failed, but a posted READ may still write: waits until every handle is released
+    DRAINING = "draining"  # failed: blocks quarantined until no handle and no unfinished step can write them
+    ABORTING = "aborting"  # aborted by the embedder: blocks quarantined likewise
     DONE = "done"  # terminal: bytes in place, every producer rank of plan.notify notified
-    FAILED = "failed"  # terminal: no handle can write the local blocks any more
+    FAILED = "failed"  # terminal: ``cause`` says why; nothing can write the local blocks any more
+    ABORTED = "aborted"  # terminal: aborted by the embedder; nothing can write the local blocks any more
+
+
+class FailureCause(enum.Enum):
+    """Why a consumer request FAILED (ReadResult.cause)."""
+
+    HANDSHAKE = "handshake"  # the producer engine could not be linked (refused, unreachable)
+    PLAN = "plan"  # the ticket cannot be planned against the linked engine
+    NIXL = "nixl"  # a READ was refused or ended in error
+    SOURCE_LOST = "source_lost"  # a producer rank disappeared (NIXL reports its agent disconnected)
+    DEADLINE = "deadline"  # read_deadline_s passed first
+    REVOKED = "revoked"  # the producer aborted the request or its lease expired
 
 
 class HoldState(enum.Enum):
     """A producer request."""
 
     HELD = "held"  # blocks pinned, waiting for consumers
-    FREED = "freed"  # terminal: every expected consumer rank notified
+    ABORTING = "aborting"  # aborted while consumer agents may read: waits for their acks or the lease
+    FREED = "freed"  # terminal: every expected consumer rank reported (done, aborted or failed)
+    EXPIRED = "expired"  # terminal: the lease ran out before that
+    ABORTED = "aborted"  # terminal: aborted by the embedder
 
 
 _EDGES: dict[enum.Enum, frozenset[enum.Enum]] = {
-    ReadState.WAITING_PEER: frozenset({ReadState.READING, ReadState.FAILED}),
-    ReadState.READING: frozenset({ReadState.DONE, ReadState.DRAINING, ReadState.FAILED}),
+    ReadState.WAITING_PEER: frozenset({ReadState.READING, ReadState.DRAINING, ReadState.ABORTING}),
+    ReadState.READING: frozenset({ReadState.DONE, ReadState.DRAINING, ReadState.ABORTING}),
     ReadState.DRAINING: frozenset({ReadState.FAILED}),
-    HoldState.HELD: frozenset({HoldState.FREED}),
+    ReadState.ABORTING: frozenset({ReadState.ABORTED}),
+    HoldState.HELD: frozenset({HoldState.FREED, HoldState.EXPIRED, HoldState.ABORTING, HoldState.ABORTED}),
+    HoldState.ABORTING: frozenset({HoldState.ABORTED}),
 }
-TERMINAL = frozenset({ReadState.DONE, ReadState.FAILED, HoldState.FREED})
+TERMINAL = frozenset({ReadState.DONE, ReadState.FAILED, ReadState.ABORTED, HoldState.FREED, HoldState.EXPIRED,
+                      HoldState.ABORTED})
+ENDING = frozenset({ReadState.DRAINING, ReadState.ABORTING})  # quarantined, not yet reported
 
 
 @dataclass(eq=False)
@@ -73,6 +99,7 @@ class ReadRequest:
     num_bytes: int = 0
     num_descriptors: int = 0
     error: BaseException | None = None
+    cause: FailureCause | None = None
 
 
 @dataclass(eq=False)
@@ -88,6 +115,8 @@ class Hold:
     changed_at: float = 0.0
     expected_consumers: int | None = None  # set by the first valid notification
     heard: dict[int, str] = field(default_factory=dict)
+    expires_at: float = math.inf  # end of the lease on the producer's clock; heartbeats push it back
+    awaiting_acks: set[str] = field(default_factory=set)  # ABORTING: consumer agents yet to confirm the revocation
 
 
 @dataclass(frozen=True)
@@ -106,6 +135,7 @@ class ReadResult:
     started_at: float
     finished_at: float
     error: BaseException | None = None
+    cause: FailureCause | None = None  # FAILED only
 
     @property
     def ok(self) -> bool:

@@ -8,6 +8,14 @@ defaults at the end and bumping PROTOCOL_VERSION.
 
 Version log:
   1: Envelope; HandshakeRequest, HandshakeReply, Ticket, Completion, ErrorReply.
+  2: lifecycle under faults (issue 5): CompletionKind ABORTED and FAILED; Heartbeat (lease renewal),
+     Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists revoked
+     tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer agent closes).
+
+NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
+that serves or issues the READs, are reliable and ordered per connection, need no further socket,
+and are taken in by the owner thread's poll() that already drains them; the side channel's
+listener thread must stay a pure responder (side_channel.py).
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 
@@ -30,6 +38,12 @@ class Kind(enum.IntEnum):
     HANDSHAKE_REPLY = 2
     COMPLETION = 3
     ERROR = 4
+    HEARTBEAT = 5
+    HELLO = 6
+    WELCOME = 7
+    REVOKE = 8
+    REVOKE_ACK = 9
+    BYE = 10
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -97,7 +111,11 @@ class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticke
 
 
 class CompletionKind(enum.IntEnum):
-    DONE = 1  # the consumer's READs from this rank (if any) are complete; free when all consumers said so
+    """What a consumer rank is finished with; every kind counts towards the producer's free."""
+
+    DONE = 1  # the consumer's READs from this rank (if any) are complete
+    ABORTED = 2  # the consumer's embedder aborted the request (it may not have read at all)
+    FAILED = 3  # the consumer's read failed; it will not read again (the embedder recomputes)
 
 
 class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="completion"):
@@ -116,12 +134,66 @@ class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="e
     reason: str
 
 
-Body = HandshakeRequest | HandshakeReply | Completion | ErrorReply
+class RequestRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A request as issued by one ticket: its id and the ticket's nonce."""
+
+    request_id: str
+    nonce: int
+
+
+class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat"):
+    """A consumer rank still waits for or reads these requests: renew their leases (producer's clock)."""
+
+    consumer_rank: int
+    requests: tuple[RequestRef, ...]
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="hello"):
+    """A consumer agent, after its handshake, introduces itself so the producer rank can notify it."""
+
+    consumer_rank: int
+    agent_metadata: bytes
+
+
+class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="welcome"):
+    """The producer rank's answer to a Hello: tickets it no longer honours. No READ before it arrives."""
+
+    revoked: tuple[RequestRef, ...]
+    lease_s: float  # how long the consumer must remember them (no live ticket outlasts this)
+
+
+class Revoke(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="revoke"):
+    """The producer rank aborted a request (or its lease expired): never report it DONE; acknowledge."""
+
+    request: RequestRef
+    lease_s: float  # how long the consumer must remember the revocation
+
+
+class RevokeAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="revoke_ack"):
+    """The consumer agent has taken in a Revoke: from now on it never reports that request DONE."""
+
+    request: RequestRef
+
+
+class Bye(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="bye"):
+    """A consumer agent is closing: forget it (it reads nothing any more)."""
+
+    consumer_rank: int
+
+
+Body = (HandshakeRequest | HandshakeReply | Completion | ErrorReply | Heartbeat | Hello | Welcome | Revoke
+        | RevokeAck | Bye)
 _BODY_OF_KIND = {
     Kind.HANDSHAKE_REQUEST: HandshakeRequest,
     Kind.HANDSHAKE_REPLY: HandshakeReply,
     Kind.COMPLETION: Completion,
     Kind.ERROR: ErrorReply,
+    Kind.HEARTBEAT: Heartbeat,
+    Kind.HELLO: Hello,
+    Kind.WELCOME: Welcome,
+    Kind.REVOKE: Revoke,
+    Kind.REVOKE_ACK: RevokeAck,
+    Kind.BYE: Bye,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)

@@ -1,0 +1,116 @@
+"""A short calibration of auto mode's cost model on this rank: READ and copy costs, measured.
+
+Loopback READs (the agent reads its own staging pool: NIXL lets an agent name itself as the peer)
+of one large descriptor and of many small ones with gaps between them (so nothing merges) give the
+per-byte and the per-descriptor cost; gathers from the cache into staging of one piece and of
+many give the copy costs. Loopback is not the cross-process path (on CPU hosts it skips the
+shared-memory transport), so an embedder that knows better passes ``EngineConfig.cost``.
+About 0.1-0.5 s on a CPU host; the time and figures are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+
+import numpy as np
+
+from hybrid_transfer.engine.agent import NixlAgent
+from hybrid_transfer.engine.config import CostParams
+from hybrid_transfer.engine.gather_scatter import Copier
+from hybrid_transfer.engine.staging import StagingPool
+from hybrid_transfer.engine.state import XferState
+from hybrid_transfer.errors import ConfigError, EngineError
+from hybrid_transfer.plan.cost import CostModel
+
+log = logging.getLogger(__name__)
+
+PROBE_BYTES = 8 << 20
+SMALL_BYTES = 4 << 10
+REPEATS = 3
+READ_TIMEOUT_S = 10.0
+
+
+def cost_model(params: CostParams) -> CostModel:
+    """The planner's cost model with these parameters (the gather is off the critical path)."""
+    return CostModel(per_descriptor_s=params.per_descriptor_s, per_byte_s=params.per_byte_s,
+                     copy_per_byte_s=params.copy_per_byte_s, per_piece_copy_s=params.per_piece_copy_s,
+                     copy_launch_s=params.copy_launch_s, count_gather=False)
+
+
+def calibrate(agent: NixlAgent, pool: StagingPool, copier: Copier, *, probe_bytes: int = PROBE_BYTES,
+              small_bytes: int = SMALL_BYTES, repeats: int = REPEATS) -> CostParams:
+    """Measure READ and copy costs between ``pool`` and itself and from the copier's cache into it.
+
+    Raises:
+        ConfigError: the pool cannot hold two probes of ``2 * small_bytes``.
+        EngineError: a READ failed or did not finish within READ_TIMEOUT_S.
+    """
+    started = time.perf_counter()
+    half = min(probe_bytes, pool.capacity_bytes // 2) // (2 * small_bytes) * (2 * small_bytes)
+    src, dst = (pool.try_alloc(half) if half > 0 else None), (pool.try_alloc(half) if half > 0 else None)
+    try:
+        if src is None or dst is None:
+            raise ConfigError(f"a staging pool of {pool.capacity_bytes} B is too small to calibrate in",
+                              field="staging_bytes", value=pool.capacity_bytes)
+        dev = pool.region.device_id
+        one = _read_s(agent, np.array([[dst.addr, half, dev]]), np.array([[src.addr, half, dev]]), repeats)
+        count = half // (2 * small_bytes)
+        offs = np.arange(count, dtype=np.int64) * 2 * small_bytes
+        many_l = np.stack([dst.addr + offs, np.full(count, small_bytes), np.full(count, dev)], axis=1)
+        many_r = np.stack([src.addr + offs, np.full(count, small_bytes), np.full(count, dev)], axis=1)
+        many = _read_s(agent, many_l, many_r, repeats)
+        per_byte = one / half
+        per_desc = max(0.0, (many - count * small_bytes * per_byte) / count)
+        copy_byte, copy_piece, launch = _copy_costs(copier, dst, half, small_bytes, repeats)
+    finally:
+        for piece in (src, dst):
+            if piece is not None:
+                pool.free(piece)
+    params = CostParams(per_descriptor_s=per_desc, per_byte_s=per_byte, copy_per_byte_s=copy_byte,
+                        per_piece_copy_s=copy_piece, copy_launch_s=launch)
+    log.info("calibrated in %.3f s: %s", time.perf_counter() - started, params)
+    return params
+
+
+def _read_s(agent: NixlAgent, local: np.ndarray, remote: np.ndarray, repeats: int) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first READ also wires up the loopback: not timed
+        t0 = time.perf_counter()
+        handle = agent.post_read(agent.name, local.astype(np.int64), remote.astype(np.int64))
+        deadline = t0 + READ_TIMEOUT_S
+        try:
+            while agent.check(handle) is XferState.PROC:
+                if time.perf_counter() > deadline:
+                    raise EngineError(f"calibration READ not done after {READ_TIMEOUT_S} s", operation="calibrate",
+                                      agent=agent.name)
+            if handle.state is not XferState.DONE:
+                raise EngineError("calibration READ failed", operation="calibrate", agent=agent.name)
+        finally:
+            agent.release(handle)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _copy_costs(copier: Copier, dst, half: int, small: int, repeats: int) -> tuple[float, float, float]:
+    """(per byte, per piece, launch) of gathers from the largest cache tensor into ``dst``."""
+    base, size = copier.arena.largest()
+    nbytes = min(half, size) // small * small
+    if nbytes < 2 * small:
+        return CostParams().copy_per_byte_s, CostParams().per_piece_copy_s, CostParams().copy_launch_s
+    count = nbytes // small
+
+    def timed(addr: np.ndarray, length: np.ndarray) -> float:
+        times = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            ticket = copier.gather(addr, length, dst.tensor)
+            ticket.wait()
+            times.append(max(ticket.elapsed_s, 0.0) or time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    whole = timed(np.array([base]), np.array([nbytes]))
+    pieces = timed(base + np.arange(count, dtype=np.int64)[::-1] * small, np.full(count, small))
+    tiny = timed(np.array([base]), np.array([small]))
+    return whole / nbytes, max(0.0, (pieces - whole) / (count - 1)), tiny

@@ -1,0 +1,180 @@
+"""Pack mode's copies: gather pieces of a cache into dense staging, scatter dense staging into a cache.
+
+One index kernel per list, on CPU or CUDA, no Python loop per piece. The cache's shared tensors are
+separate allocations, so a list that touches all of them would need a kernel per tensor; instead an
+``Arena`` aliases one uint8 tensor over the whole address span of the cache's tensors (zero-copy, via
+the array interface), and every piece becomes rows of that one tensor. Rows are ``g`` bytes, g the
+largest common divisor of every piece's start (relative to the arena), length and the staging
+pointer, viewed as the widest integer type dividing g; the row index (one int64 per row) is built on
+the device from the piece arrays, then
+
+  gather:  index_select(arena_rows, 0, rows, out=staging_rows)   (staging is dense, in piece order)
+  scatter: arena_rows.index_copy_(0, rows, staging_rows)
+
+Bytes between the tensors are never touched: every piece is first checked to lie inside one
+tensor (RangeError otherwise). On CUDA both run on the copier's own stream and are timed with
+events; ``CopyTicket.is_done`` tells the caller when the bytes are in place (notify or answer only
+after that). On CPU they run inside the call.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from hybrid_transfer.errors import PlanError, RangeError
+
+_ROW_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+
+
+class _HostIface:
+    def __init__(self, addr: int, nbytes: int):
+        self.__array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False), "version": 3}
+
+
+class _CudaIface:
+    def __init__(self, addr: int, nbytes: int):
+        self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (addr, False),
+                                         "version": 3, "strides": None}
+
+
+def alias_bytes(addr: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over [addr, addr + nbytes) of ``device`` memory that someone else owns."""
+    if device.type == "cuda":
+        return torch.as_tensor(_CudaIface(addr, nbytes), device=device)
+    return torch.from_numpy(np.asarray(_HostIface(addr, nbytes)))
+
+
+class Arena:
+    """One uint8 alias spanning a set of same-device tensors (a cache's shared tensors).
+
+    Keeps the tensors alive; only bytes inside them are ever addressed through it.
+    """
+
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        if not tensors:
+            raise PlanError("an arena needs at least one tensor")
+        devices = {t.device for t in tensors}
+        if len(devices) != 1:
+            raise PlanError(f"arena tensors sit on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self._tensors = list(tensors)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in tensors)
+        self.origin = spans[0][0]
+        self.nbytes = max(end for _, end in spans) - self.origin
+        self._starts = np.array([s for s, _ in spans], dtype=np.int64)
+        self._ends = np.array([e for _, e in spans], dtype=np.int64)
+        self.bytes = alias_bytes(self.origin, self.nbytes, self.device)
+
+    def largest(self) -> tuple[int, int]:
+        """(address, bytes) of the largest tensor."""
+        i = int(np.argmax(self._ends - self._starts))
+        return int(self._starts[i]), int(self._ends[i] - self._starts[i])
+
+    def check(self, addr: np.ndarray, length: np.ndarray) -> None:
+        """Raise RangeError unless every [addr, addr + length) lies inside one of the tensors."""
+        if addr.shape[0] == 0:
+            return
+        i = np.searchsorted(self._starts, addr, side="right") - 1
+        ok = (i >= 0) & (length >= 0) & (addr + length <= self._ends[np.maximum(i, 0)])
+        if not ok.all():
+            k = int(np.flatnonzero(~ok)[0])
+            raise RangeError(side="arena", addr=int(addr[k]), length=int(length[k]))
+
+
+class CopyTicket:
+    """One launched gather or scatter: done on CPU at once; on CUDA when its end event completes."""
+
+    __slots__ = ("_start", "_end", "_elapsed_s", "_keep")
+
+    def __init__(self, elapsed_s: float | None = None, start=None, end=None, keep: tuple = ()):
+        self._elapsed_s = elapsed_s
+        self._start, self._end, self._keep = start, end, keep
+
+    @property
+    def is_done(self) -> bool:
+        if self._end is None or self._elapsed_s is not None:
+            return True
+        if not self._end.query():
+            return False
+        self._settle()
+        return True
+
+    def wait(self) -> None:
+        """Block until the copy has finished (bounded by the kernel's own run time)."""
+        if self._end is not None and self._elapsed_s is None:
+            self._end.synchronize()
+            self._settle()
+
+    @property
+    def elapsed_s(self) -> float:
+        """Copy time (index build included); 0.0 until done."""
+        return self._elapsed_s if self.is_done and self._elapsed_s is not None else 0.0
+
+    def _settle(self) -> None:
+        self._elapsed_s = self._start.elapsed_time(self._end) / 1e3
+        self._keep = ()
+
+
+class Copier:
+    """Gathers and scatters between one Arena and staging tensors of the same device."""
+
+    def __init__(self, arena: Arena):
+        self.arena = arena
+        self.device = arena.device
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def gather(self, src_addr: np.ndarray, length: np.ndarray, staging: torch.Tensor) -> CopyTicket:
+        """staging[offset_i : offset_i + length_i] = bytes at src_addr_i, offsets the prefix sums of length."""
+        return self._run(src_addr, length, staging, gather=True)
+
+    def scatter(self, staging: torch.Tensor, dst_addr: np.ndarray, length: np.ndarray) -> CopyTicket:
+        """Bytes at dst_addr_i = staging[offset_i : offset_i + length_i], offsets the prefix sums of length."""
+        return self._run(dst_addr, length, staging, gather=False)
+
+    def _run(self, addr: np.ndarray, length: np.ndarray, staging: torch.Tensor, *, gather: bool) -> CopyTicket:
+        addr = np.asarray(addr, dtype=np.int64)
+        length = np.asarray(length, dtype=np.int64)
+        total = int(length.sum())
+        if staging.dtype != torch.uint8 or staging.dim() != 1 or staging.device != self.device:
+            raise PlanError(f"staging must be a flat uint8 tensor on {self.device}, got {staging.dtype} "
+                            f"{tuple(staging.shape)} on {staging.device}")
+        if total > staging.numel():
+            raise PlanError(f"{total} B of pieces exceed the {staging.numel()} B staging", nbytes=total)
+        self.arena.check(addr, length)
+        if total == 0:
+            return CopyTicket(0.0)
+        rel = addr - self.arena.origin
+        g = int(np.gcd.reduce(np.concatenate((rel, length, [staging.data_ptr() - self.arena.origin]))))
+        width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
+        rows_per = length // g
+        if self._stream is None:
+            t0 = time.perf_counter()
+            self._copy(rel // g, rows_per, total // g, g, width, dtype, staging, gather)
+            return CopyTicket(time.perf_counter() - t0)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            start.record()
+            keep = self._copy(rel // g, rows_per, total // g, g, width, dtype, staging, gather)
+            end.record()
+        return CopyTicket(None, start, end, keep)
+
+    def _copy(self, first_row: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, width: int,
+              dtype: torch.dtype, staging: torch.Tensor, gather: bool) -> tuple:
+        dev = self.device
+        arena_rows = self.arena.bytes[: (self.arena.nbytes // g) * g].view(dtype).view(-1, g // width)
+        stage_rows = staging[: num_rows * g].view(dtype).view(num_rows, g // width)
+        # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
+        shift = torch.as_tensor(first_row - (np.cumsum(rows_per) - rows_per), device=dev)
+        counts = torch.as_tensor(rows_per, device=dev)
+        index = torch.repeat_interleave(shift, counts, output_size=num_rows)
+        index += torch.arange(num_rows, device=dev, dtype=torch.int64)
+        if gather:
+            torch.index_select(arena_rows, 0, index, out=stage_rows)
+        else:
+            arena_rows.index_copy_(0, index, stage_rows)
+        return (index, shift, counts, staging)
+

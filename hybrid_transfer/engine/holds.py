@@ -1,0 +1,219 @@
+"""A producer rank's held requests: pins, leases, completions, aborts, revocations; no NIXL, no sockets.
+
+The Producer feeds it what arrives (completions, heartbeats, revocation acks) and what the
+embedder asks (hold, abort, step fences), sends the messages that follow, and hands back what
+it releases. Everything runs on the producer's injected clock.
+
+Rules:
+- A hold pins its blocks, counted per hold (prefix caching may share attention blocks).
+- It ends FREED once every expected consumer rank has reported (done, aborted or failed),
+  EXPIRED when its lease runs out first, ABORTED when the embedder aborts it.
+- An abort cannot see whether a READ is in flight, so it asks: every consumer agent that may be
+  reading gets a Revoke (a consumer reads from a rank only after that rank's welcome, so these
+  are the welcomed agents). The hold stays ABORTING until each has acknowledged, every expected
+  consumer rank has reported, or the lease expires; with no such agent it ends at once. A
+  consumer that has taken in a revocation never reports that request DONE, so after the last
+  ack nobody will trust bytes read from these blocks any more and they may be reused.
+- Aborts and expiries stay listed as revocations for one lease: a consumer agent that arrives
+  later learns them in its welcome, before its first READ.
+- An ended hold keeps its blocks pinned until their step fences have passed; then they are released.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+
+from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.lease import LeaseBook
+from hybrid_transfer.engine.state import Hold, HoldState, transition
+from hybrid_transfer.errors import FenceError, RequestStateError
+
+
+class Heard(enum.Enum):
+    """What one consumer report did to its hold."""
+
+    COUNTED = "counted"  # valid, the hold still waits for other consumer ranks
+    ENDED = "ended"  # valid, and it ended the hold
+    DUPLICATE = "duplicate"  # this consumer rank already reported
+    INCONSISTENT = "inconsistent"  # an expected-consumer count that contradicts an earlier one
+    STALE = "stale"  # the hold no longer waits for anything (it is ending or ended)
+
+
+class HoldBook:
+    """Holds of one producer rank; used by its owner thread only."""
+
+    def __init__(self, clock: Callable[[], float], lease_s: float, fences: StepFences | None = None):
+        self._clock = clock
+        self.lease_s = float(lease_s)
+        self.fences = fences if fences is not None else StepFences()
+        self._holds: dict[str, Hold] = {}
+        self._pins: dict[int, int] = {}  # block id -> holds pinning it (ended holds until released)
+        self._leases = LeaseBook(lease_s)
+        self._releasing: list[Hold] = []  # ended, blocks pinned until their fences pass
+        self._revoked: dict[tuple[str, int], float] = {}  # (request id, nonce) -> when the revocation lapses
+        self.terminal_counts: Counter[str] = Counter()  # HoldState value -> holds that ended in it
+
+    # ---- holding ------------------------------------------------------------------
+    def add(self, request_id: str, nonce: int, block_ids: tuple[tuple[int, ...], ...], num_tokens: int) -> Hold:
+        """Pin a request's blocks and start its lease.
+
+        Raises:
+            RequestStateError: the request is already held.
+            FenceError: a step that writes one of the blocks has not finished (hold only complete writes).
+        """
+        if request_id in self._holds:
+            raise RequestStateError("is already held", request_id=request_id, state=self._holds[request_id].state.value)
+        flat = [b for group in block_ids for b in group]
+        pending = self.fences.pending(flat)
+        if pending:
+            raise FenceError(f"request {request_id!r} held before its writes finished", block_ids=list(pending),
+                             steps=list(pending.values()), finished_step=self.fences.finished_step)
+        now = self._clock()
+        hold = Hold(request_id, nonce, block_ids, num_tokens, held_at=now, changed_at=now)
+        hold.expires_at = self._leases.start(request_id, now)
+        self._holds[request_id] = hold
+        for b in flat:
+            self._pins[b] = self._pins.get(b, 0) + 1
+        return hold
+
+    def get(self, request_id: str) -> Hold | None:
+        """A hold that has not ended yet."""
+        return self._holds.get(request_id)
+
+    # ---- what consumers say -------------------------------------------------------------
+    def report(self, hold: Hold, consumer_rank: int, expected_consumers: int, agent: str) -> Heard:
+        """A consumer rank is finished with the request (done, aborted or failed)."""
+        if consumer_rank in hold.heard:
+            return Heard.DUPLICATE
+        if hold.expected_consumers is None:
+            hold.expected_consumers = expected_consumers
+        elif expected_consumers != hold.expected_consumers:
+            return Heard.INCONSISTENT
+        hold.heard[consumer_rank] = agent
+        if len(hold.heard) < hold.expected_consumers:
+            return Heard.COUNTED
+        self._end(hold, HoldState.ABORTED if hold.state is HoldState.ABORTING else HoldState.FREED)
+        return Heard.ENDED
+
+    def renew(self, hold: Hold) -> None:
+        """A heartbeat: the lease runs ``lease_s`` from now (never shorter than before)."""
+        until = self._leases.renew(hold.request_id, self._clock())
+        if until is not None:
+            hold.expires_at = until
+
+    def ack(self, request_id: str, nonce: int, agent: str) -> Heard:
+        """A consumer agent confirms a revocation."""
+        hold = self._holds.get(request_id)
+        if hold is None or hold.nonce != nonce or agent not in hold.awaiting_acks:
+            return Heard.STALE
+        hold.awaiting_acks.discard(agent)
+        if hold.awaiting_acks:
+            return Heard.COUNTED
+        self._end(hold, HoldState.ABORTED)
+        return Heard.ENDED
+
+    def forget_agent(self, agent: str) -> list[Hold]:
+        """A consumer agent is gone (closed, or NIXL says disconnected): it reads nothing any more."""
+        ended = []
+        for hold in list(self._holds.values()):
+            if hold.state is HoldState.ABORTING and agent in hold.awaiting_acks:
+                if self.ack(hold.request_id, hold.nonce, agent) is Heard.ENDED:
+                    ended.append(hold)
+        return ended
+
+    # ---- what the embedder and the clock say ----------------------------------------------
+    def abort(self, hold: Hold, readers: Iterable[str]) -> bool:
+        """Abort a held request; ``readers``: consumer agents that may be reading it. True: ended at once.
+
+        Raises:
+            RequestStateError: the hold is already aborting.
+        """
+        if hold.state is not HoldState.HELD:
+            raise RequestStateError("is already being aborted", request_id=hold.request_id, state=hold.state.value)
+        self._revoke(hold)
+        hold.awaiting_acks = set(readers)
+        if not hold.awaiting_acks:
+            self._end(hold, HoldState.ABORTED)
+            return True
+        transition(hold, HoldState.ABORTING, self._clock())
+        return False
+
+    def expire(self) -> list[Hold]:
+        """End every hold whose lease ran out (EXPIRED, or ABORTED when aborting); revoke their tickets."""
+        ended = []
+        for request_id in self._leases.pop_expired(self._clock()):
+            hold = self._holds[request_id]
+            if hold.state is HoldState.HELD:
+                self._revoke(hold)
+                self._end(hold, HoldState.EXPIRED)
+            else:
+                self._end(hold, HoldState.ABORTED)
+            ended.append(hold)
+        return ended
+
+    def pop_released(self) -> list[str]:
+        """Ended holds whose blocks' step fences have passed: unpin them; their request ids, in end order."""
+        if not self._releasing:
+            return []
+        out, keep = [], []
+        for hold in self._releasing:
+            if self.fences.is_clear(b for group in hold.block_ids for b in group):
+                self._unpin(hold)
+                out.append(hold.request_id)
+            else:
+                keep.append(hold)
+        self._releasing = keep
+        return out
+
+    def revocations(self) -> list[tuple[str, int]]:
+        """(request id, nonce) of tickets revoked within the last lease (lapsed ones are forgotten here)."""
+        now = self._clock()
+        self._revoked = {key: until for key, until in self._revoked.items() if until > now}
+        return list(self._revoked)
+
+    # ---- counts -------------------------------------------------------------------------
+    @property
+    def num_held_requests(self) -> int:
+        """Holds not ended yet (HELD or ABORTING)."""
+        return len(self._holds)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks pinned by a hold, ended ones waiting for their fences included."""
+        return len(self._pins)
+
+    @property
+    def num_releasing(self) -> int:
+        return len(self._releasing)
+
+    def held_ids(self) -> Sequence[str]:
+        return list(self._holds)
+
+    def drop_all(self) -> None:
+        """Forget everything (the producer closes; its memory is deregistered)."""
+        self._holds.clear()
+        self._pins.clear()
+        self._releasing.clear()
+
+    # ---- internals ----------------------------------------------------------------------
+    def _revoke(self, hold: Hold) -> None:
+        self._revoked[(hold.request_id, hold.nonce)] = self._clock() + self.lease_s
+
+    def _end(self, hold: Hold, state: HoldState) -> None:
+        transition(hold, state, self._clock())
+        del self._holds[hold.request_id]
+        self._leases.drop(hold.request_id)
+        hold.awaiting_acks = set()
+        self._releasing.append(hold)
+        self.terminal_counts[state.value] += 1
+
+    def _unpin(self, hold: Hold) -> None:
+        for group in hold.block_ids:
+            for b in group:
+                left = self._pins[b] - 1
+                if left:
+                    self._pins[b] = left
+                else:
+                    del self._pins[b]

@@ -1,0 +1,220 @@
+"""Pack mode's canonical staging layout: where each of a producer rank's request bytes sits in its staging.
+
+The producer gathers when it holds the request, before it knows who will read it (their TP and
+block sizes), so the order cannot be any one consumer's. It is the producer's own, chosen so that
+whatever a consumer rank reads from it is a few contiguous ranges:
+
+- KV first, head slot outermost: (head slot, attention group, tensor, K/V half, kernel block in
+  token order); an atom is the valid tokens of one head in one kernel-block half. A consumer
+  reads whole heads over every token and layer, so its KV share is one range.
+- State next, "fine share" outermost: the rank's key heads and value heads split into
+  F = gcd(key heads, value heads) shares, share f holding its Q and K channels, its V channels
+  and its recurrent-state heads; inside a share (piece of the page, GDN group, tensor). A fan-out
+  consumer's channels and value heads are a run of whole shares (its TP divides nk), so its state
+  share is one range too.
+
+A fan-out consumer thus reads two ranges per source, a fan-in consumer one. Correctness never
+depends on the order: ``map_rows`` splits a consumer's direct rows at atom boundaries and places
+each part by its atom, so any tiling of the valid bytes reads correctly, only in more ranges.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybrid_transfer.errors import PlanError
+from hybrid_transfer.layout.geometry import ConvLayout, RankGeometry
+from hybrid_transfer.layout.model import LayerKind
+from hybrid_transfer.plan.merge import merge_ranges
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """A producer rank's staged bytes of one request: atom i is ``length[i]`` bytes at ``addr[i]``
+    (absolute, on the producer), staged at ``offset[i]`` (dense, in this order)."""
+
+    addr: np.ndarray
+    length: np.ndarray
+    offset: np.ndarray
+
+    @property
+    def num_atoms(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+
+@dataclass(frozen=True)
+class StagedRead:
+    """A consumer rank's pack read of one source, against that source's StageLayout.
+
+    Read range i copies ``length[i]`` bytes from ``remote_offset[i]`` of the source's staging to
+    ``local_offset[i]`` of this rank's staging (ranges packed back to back, so local staging is
+    dense). Scatter piece k then copies ``scatter_length[k]`` bytes from ``scatter_src[k]`` of
+    local staging (ascending, dense) to the absolute local address ``scatter_dst[k]``.
+    """
+
+    remote_offset: np.ndarray
+    local_offset: np.ndarray
+    length: np.ndarray
+    scatter_src: np.ndarray
+    scatter_dst: np.ndarray
+    scatter_length: np.ndarray
+
+    @property
+    def num_ranges(self) -> int:
+        return int(self.length.shape[0])
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.length.sum())
+
+
+def stage_layout(geometry: RankGeometry, tensor_addrs: Sequence[int], block_ids: Sequence[Sequence[int]],
+                 num_tokens: int) -> StageLayout:
+    """The canonical layout of one request on one producer rank (see the module docstring).
+
+    Raises:
+        PlanError: fewer attention blocks than the tokens need, or a GDN group without exactly one block.
+    """
+    if num_tokens <= 0:
+        return StageLayout(_EMPTY, _EMPTY, _EMPTY)
+    base = np.asarray(tensor_addrs, dtype=np.int64)
+    if base.shape[0] != geometry.num_tensors:
+        raise PlanError(f"{base.shape[0]} tensor addresses for {geometry.num_tensors} tensors",
+                        num_addrs=base.shape[0], num_tensors=geometry.num_tensors)
+    groups = geometry.tensor_map.groups
+    if len(block_ids) != len(groups):
+        raise PlanError(f"{len(block_ids)} block lists for {len(groups)} cache groups", num_lists=len(block_ids))
+    attn = [np.asarray(ids, dtype=np.int64) for g, ids in zip(groups, block_ids, strict=True)
+            if g.kind is LayerKind.ATTENTION]
+    gdn = [np.asarray(ids, dtype=np.int64) for g, ids in zip(groups, block_ids, strict=True)
+           if g.kind is LayerKind.GDN]
+    kv_addr, kv_len = _kv_atoms(geometry, base, attn, num_tokens)
+    st_addr, st_len = _state_atoms(geometry, base, gdn)
+    addr = np.concatenate((kv_addr, st_addr))
+    length = np.concatenate((kv_len, st_len))
+    offset = np.zeros_like(length)
+    np.cumsum(length[:-1], out=offset[1:])
+    return StageLayout(addr, length, offset)
+
+
+def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shape (head slot, group, tensor, half, kernel block), flattened."""
+    if not attn:
+        return _EMPTY, _EMPTY
+    kb = g.kernel_block_size
+    need = g.num_blocks_for_tokens(n)
+    for i, ids in enumerate(attn):
+        if ids.shape[0] < need:
+            raise PlanError(f"attention group {i} lists {ids.shape[0]} blocks, {n} tokens need {need}",
+                            group=i, num_blocks=int(ids.shape[0]), needed=need)
+    q = np.arange(-(-n // kb), dtype=np.int64)
+    valid = np.minimum(kb, n - q * kb)
+    # [group, kernel block]: offset of the kernel block's K half, head slot 0, inside its tensor.
+    kblock = np.stack([ids[q // g.kernel_ratio] * g.page_bytes for ids in attn]) + (q % g.kernel_ratio) * \
+        g.kernel_block_bytes
+    heads = np.arange(g.num_kv_heads_local, dtype=np.int64) * kb * g.head_token_bytes
+    halves = np.arange(2, dtype=np.int64) * g.kv_half_bytes
+    addr = (heads[:, None, None, None, None] + kblock[None, :, None, None, :] + base[None, None, :, None, None]
+            + halves[None, None, None, :, None])
+    length = np.broadcast_to(valid * g.head_token_bytes, addr.shape)
+    return addr.ravel(), np.ascontiguousarray(length).ravel()
+
+
+def _state_atoms(g: RankGeometry, base: np.ndarray, gdn: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Shape (fine share, piece of the page, group, tensor), flattened."""
+    if not gdn or not g.has_gdn:
+        return _EMPTY, _EMPTY
+    for i, ids in enumerate(gdn):
+        if ids.shape[0] != 1:
+            raise PlanError(f"GDN group {i} lists {ids.shape[0]} blocks, a request owns exactly one",
+                            group=i, num_blocks=int(ids.shape[0]))
+    blocks = np.concatenate(gdn) * g.page_bytes
+    rel, length = _share_pieces(g)
+    addr = rel[:, :, None, None] + blocks[None, None, :, None] + base[None, None, None, :]
+    return addr.ravel(), np.ascontiguousarray(np.broadcast_to(length[:, :, None, None], addr.shape)).ravel()
+
+
+def _share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """[share, piece] offsets inside a page and lengths: Q, K, V (each per window row in SD), then ssm."""
+    m = g.model
+    num_key = len(g.conv_channel_ranges[0]) // m.linear_key_head_dim
+    num_value = len(g.value_heads)
+    shares = math.gcd(num_key, num_value)
+    isz, w = g.conv_itemsize, m.conv_window
+    rows = []
+    for f in range(shares):
+        row = []
+        for seg in range(3):
+            width = len(g.conv_channel_ranges[seg]) // shares
+            chan = g.conv_segment_channel_offsets[seg] + f * width
+            if g.conv_layout is ConvLayout.DS:
+                row.append((chan * w * isz, width * w * isz))
+            else:
+                row.extend(((k * g.conv_dim_local + chan) * isz, width * isz) for k in range(w))
+        heads = num_value // shares
+        row.append((g.conv_bytes + f * heads * g.ssm_head_bytes, heads * g.ssm_head_bytes))
+        rows.append(row)
+    arr = np.array(rows, dtype=np.int64)
+    return arr[:, :, 0], arr[:, :, 1]
+
+
+def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray) -> StagedRead:
+    """Turn one source's direct rows into read ranges of its staging and scatter pieces into local memory.
+
+    Raises:
+        PlanError: a row reaches bytes the layout does not stage, or two rows read the same staged byte.
+    """
+    n = int(length.shape[0])
+    if n == 0:
+        return StagedRead(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+    if layout.num_atoms == 0:
+        raise PlanError("rows to read from a source that staged nothing", num_rows=n)
+    order = np.argsort(layout.addr, kind="stable")
+    a_addr = layout.addr[order]
+    a_end = a_addr + layout.length[order]
+    a_off = layout.offset[order]
+    ra = np.asarray(remote_addr, dtype=np.int64)
+    la = np.asarray(local_addr, dtype=np.int64)
+    ln = np.asarray(length, dtype=np.int64)
+    first = np.searchsorted(a_addr, ra, side="right") - 1
+    last = np.searchsorted(a_addr, ra + ln - 1, side="right") - 1
+    bad = (ln <= 0) | (first < 0) | (ra >= a_end[np.maximum(first, 0)]) | (ra + ln > a_end[np.maximum(last, 0)])
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) reaches bytes the source does not stage",
+                        row=i, remote_addr=int(ra[i]), length=int(ln[i]))
+    count = last - first + 1
+    row = np.repeat(np.arange(n, dtype=np.int64), count)
+    within = np.arange(row.shape[0], dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    atom = first[row] + within
+    start = np.maximum(ra[row], a_addr[atom])
+    end = np.minimum(ra[row] + ln[row], a_end[atom])
+    gap = (row[1:] == row[:-1]) & (end[:-1] != start[1:])
+    if gap.any():
+        i = int(row[1:][gap][0])
+        raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) spans bytes the source does not stage",
+                        row=i, remote_addr=int(ra[i]), length=int(ln[i]))
+    stage = a_off[atom] + (start - a_addr[atom])
+    dst = la[row] + (start - ra[row])
+    plen = end - start
+    by_stage = np.argsort(stage, kind="stable")
+    stage, dst, plen = stage[by_stage], dst[by_stage], plen[by_stage]
+    if (stage[1:] < stage[:-1] + plen[:-1]).any():
+        raise PlanError("two rows read the same staged bytes", num_rows=n)
+    new = np.concatenate(([True], stage[1:] != stage[:-1] + plen[:-1]))
+    starts = np.flatnonzero(new)
+    run_len = np.add.reduceat(plen, starts)
+    run_local = np.cumsum(run_len) - run_len
+    src = np.cumsum(plen) - plen  # local staging holds the runs back to back: dense in stage order
+    s_src, s_dst, s_len = merge_ranges(src, dst, plen)
+    return StagedRead(stage[starts], run_local, run_len, s_src, s_dst, s_len)

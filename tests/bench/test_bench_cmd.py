@@ -1,0 +1,87 @@
+"""`hybrid-transfer bench` end to end: real rank processes and NIXL agents, bytes verified, JSON checked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.errors import ConfigError
+from hybrid_transfer.layout import RankGeometry, load_preset
+from hybrid_transfer.plan.types import PlanMode
+
+TIMEOUT_S = 300
+
+
+def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "hybrid_transfer", "bench", *args, "--json", str(out)],
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return proc, out
+
+
+def test_p1_d1_verified_run_reports_every_figure(tmp_path):
+    # 600 tokens: a full and a partial block of 544; fragmentation 0.5 shuffles half the ids on both sides.
+    proc, out = _bench(tmp_path, "--tokens", "600", "--requests", "3", "--concurrency", "2", "--warmup", "1",
+                       "--fragmentation", "0.5", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert (doc["preset"], doc["prefill_tp"], doc["decode_tp"]) == ("qwen3.5-0.8b", 1, 1)
+    assert (doc["tokens"], doc["requests"], doc["device"], doc["mode"]) == (600, 3, "cpu", "coalesced")
+    assert doc["verified"] is True
+    assert all(v["verified"] for v in doc["variants"].values())
+    assert doc["gbps"] > 0 and doc["naive_gbps"] > 0 and doc["ceiling_gbps"] > 0
+    geo = RankGeometry(load_preset("qwen3.5-0.8b"), 1, 0)
+    assert doc["payload_bytes_per_request"] == 600 * geo.kv_bytes_per_token * 6 + geo.state_bytes_per_request
+    assert doc["naive_descriptors_per_request"] > doc["descriptors_per_request"] > 1
+    assert doc["ceiling_descriptors_per_request"] == 1
+    assert doc["mode_over_naive"] == pytest.approx(doc["gbps"] / doc["naive_gbps"], rel=1e-3)
+    assert doc["mode_over_ceiling"] == pytest.approx(doc["gbps"] / doc["ceiling_gbps"], rel=1e-3)
+    assert 0 < doc["p50_ms"] <= doc["p99_ms"]
+    assert doc["plan_ms"] > 0 and doc["notify_lag_p50_ms"] is not None
+    assert len(doc["consumer_cpu_s"]) == 1 and len(doc["producer_cpu_s"]) == 1
+    assert "ceiling" in proc.stdout and "coalesced*" in proc.stdout  # the summary table
+
+
+def test_fan_out_sweep_with_naive_mode_and_plot(tmp_path):
+    plot = tmp_path / "bench.png"
+    proc, out = _bench(tmp_path, "--decode-tp", "2", "--mode", "naive", "--tokens", "64", "--requests", "2",
+                       "--warmup", "1", "--sweep", "fragmentation", "--sweep-values", "0,1", "--verify",
+                       "--plot", str(plot))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["sweep"] == "fragmentation" and doc["sweep_values"] == [0.0, 1.0]
+    assert doc["verified"] is True and len(doc["points"]) == 2
+    for point in doc["points"]:
+        assert set(point["variants"]) == {"naive", "ceiling"}
+        assert point["gbps"] == point["naive_gbps"] > 0
+        assert point["ceiling_descriptors_per_request"] == 2  # one READ per decode rank
+        assert len(point["consumer_cpu_s"]) == 2
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_pack_mode_runs_or_is_refused_clearly(tmp_path):
+    """Until the engine executes pack plans (issue 6) the bench refuses them before starting anything."""
+    try:
+        EngineConfig(mode=PlanMode.PACK).validate()
+        engine_runs_pack = True
+    except ConfigError:
+        engine_runs_pack = False
+    proc, out = _bench(tmp_path, "--mode", "pack", "--tokens", "64", "--requests", "2", "--warmup", "0",
+                       "--verify")
+    if engine_runs_pack:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert json.loads(out.read_text())["verified"] is True
+    else:
+        assert proc.returncode == 2
+        assert "not yet supported by the engine" in proc.stderr
+        assert not out.exists()
+
+
+def test_bad_flags_exit_with_the_field_named(tmp_path):
+    proc, _ = _bench(tmp_path, "--prefill-tp", "2", "--decode-tp", "3")
+    assert proc.returncode == 2 and "decode_tp" in proc.stderr

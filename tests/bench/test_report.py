@@ -1,0 +1,96 @@
+"""JSON records, table rows and the plot, from a hand-made result (no processes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybrid_transfer.bench.coordinator import BenchResult, PointResult
+from hybrid_transfer.bench.plot import write_plot
+from hybrid_transfer.bench.report import COLUMNS, plain_table, point_record, table_rows, to_json
+from hybrid_transfer.bench.sizing import MemoryEstimate
+from hybrid_transfer.bench.spec import BenchSpec, Point, Sweep
+from hybrid_transfer.bench.stats import VariantStats
+from hybrid_transfer.plan.types import PlanMode
+
+REQUIRED = ("preset", "prefill_tp", "decode_tp", "tokens", "requests", "device", "mode", "gbps", "naive_gbps",
+            "ceiling_gbps", "descriptors_per_request", "naive_descriptors_per_request", "p50_ms", "p99_ms",
+            "verified")
+
+
+def _stats(variant: str, gbps: float, descriptors: float, verified: bool = True) -> VariantStats:
+    return VariantStats(variant=variant, requests=4, payload_bytes=4000, window_s=1.0, gbps=gbps,
+                        descriptors_per_request=descriptors, pieces_per_request=None, plan_ms=0.1, post_ms=0.2,
+                        completion_ms=0.01, overhead_ms=0.21, p50_ms=1.0, p99_ms=2.0, notify_lag_p50_ms=0.3, notify_lag_p99_ms=0.4,
+                        hold_ms=0.05, consumer_cpu_s=(0.5,), producer_cpu_s=(0.1,), verified=verified)
+
+
+def _result(spec: BenchSpec, points: list[Point], verified: bool = True) -> BenchResult:
+    chosen = spec.mode.value
+    out = []
+    for i, p in enumerate(points):
+        stats = {chosen: _stats(chosen, 4.0 + i, 40.0, verified), "naive": _stats("naive", 2.0, 130.0),
+                 "ceiling": _stats("ceiling", 5.0, 1.0)}
+        out.append(PointResult(p, 1000, stats))
+    return BenchResult(spec, out, MemoryEstimate(1, 2, 3), {"cpu_count": 2})
+
+
+def test_point_record_has_the_required_keys_and_ratios():
+    spec = BenchSpec(verify=True)
+    record = point_record(_result(spec, [Point(2048, 0.0)]), _result(spec, [Point(2048, 0.0)]).points[0])
+    assert set(REQUIRED) <= record.keys()
+    assert record["gbps"] == 4.0 and record["naive_gbps"] == 2.0 and record["ceiling_gbps"] == 5.0
+    assert record["mode_over_ceiling"] == pytest.approx(0.8) and record["mode_over_naive"] == pytest.approx(2.0)
+    assert record["descriptors_per_request"] == 40.0 and record["naive_descriptors_per_request"] == 130.0
+    assert record["verified"] is True
+    assert set(record["variants"]) == {"coalesced", "naive", "ceiling"}
+    json.dumps(record)  # plain JSON types only
+
+
+def test_verified_is_false_when_any_variant_was_not_checked():
+    spec = BenchSpec()
+    result = _result(spec, [Point(2048, 0.0)], verified=False)
+    assert to_json(result)["verified"] is False
+
+
+def test_naive_as_the_chosen_mode_reports_itself_as_naive():
+    spec = BenchSpec(mode=PlanMode.NAIVE)
+    r = _result(spec, [Point(64, 0.0)])
+    r.points[0].stats.pop("naive")  # the chosen mode *is* naive: one "naive" entry
+    r.points[0].stats["naive"] = _stats("naive", 2.0, 130.0)
+    record = to_json(r)
+    assert record["gbps"] == record["naive_gbps"] and record["mode_over_naive"] == 1.0
+
+
+def test_sweep_json_lists_points_in_order():
+    spec = BenchSpec(sweep=Sweep.FRAGMENTATION, sweep_values=(0.0, 1.0))
+    doc = to_json(_result(spec, list(spec.points)))
+    assert doc["sweep"] == "fragmentation" and doc["sweep_values"] == [0.0, 1.0]
+    assert [p["gbps"] for p in doc["points"]] == [4.0, 5.0]
+    assert all(set(REQUIRED) <= p.keys() for p in doc["points"])
+
+
+def test_table_has_one_row_per_variant_and_point():
+    spec = BenchSpec(sweep=Sweep.TOKENS, sweep_values=(64.0, 128.0))
+    rows = table_rows(_result(spec, list(spec.points)))
+    assert len(rows) == 6 and all(len(r) == len(COLUMNS) + 1 for r in rows)
+    assert rows[0][:3] == ["64", "coalesced*", "4.00"]
+    assert rows[2][4] == "-"  # the ceiling has no "vs naive"
+
+
+def test_plain_table_without_rich_shows_the_same_rows():
+    spec = BenchSpec()
+    result = _result(spec, [Point(2048, 0.0)])
+    lines = plain_table(result).splitlines()
+    assert lines[0].startswith("qwen3.5-0.8b  P1 -> D1  cpu  2048 tokens")
+    assert lines[2].split() == [c for col in COLUMNS for c in col.split()]
+    assert [line.split()[0] for line in lines[4:7]] == ["coalesced*", "naive", "ceiling"]
+
+
+@pytest.mark.parametrize("sweep", [Sweep.NONE, Sweep.TOKENS])
+def test_plot_writes_a_png(tmp_path, sweep):
+    spec = BenchSpec(sweep=sweep, sweep_values=(64.0, 128.0) if sweep is Sweep.TOKENS else ())
+    path = tmp_path / "plot.png"
+    write_plot(_result(spec, list(spec.points)), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,72 @@
+"""Block pools, request layouts and ceiling sizes agree with the request model and the planner."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybrid_transfer.bench import sizing
+from hybrid_transfer.bench.spec import BenchSpec, Point, Sweep
+from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.scenario import fake_engine
+
+
+@pytest.mark.parametrize("p, d", [(1, 1), (2, 8), (4, 2)])
+@pytest.mark.parametrize("fragmentation", [0.0, 1.0])
+def test_layouts_are_disjoint_and_fit_the_pools(p, d, fragmentation):
+    spec = BenchSpec(preset="qwen3.5-397b-a17b", prefill_tp=p, decode_tp=d, tokens=3000, requests=3)
+    point = Point(3000, fragmentation)
+    for is_prefill, layouts in zip((True, False), sizing.layouts(spec, point, 0), strict=True):
+        pool = sizing.pool_blocks(spec, is_prefill)
+        ids = [b for layout in layouts for group in layout.block_ids for b in group]
+        assert len(ids) == len(set(ids)) == pool  # the pool holds exactly R requests
+        assert all(0 <= b < pool for b in ids)
+        geo = sizing.geometry(spec, is_prefill)
+        assert all(len(layout.block_ids) == len(geo.tensor_map.groups) for layout in layouts)
+
+
+def test_fragmented_layouts_are_not_one_ascending_run():
+    spec = BenchSpec(tokens=8192, requests=4)
+    contiguous, _ = sizing.layouts(spec, Point(8192, 0.0), 0)
+    shuffled, _ = sizing.layouts(spec, Point(8192, 1.0), 0)
+    flat = lambda layouts: [b for x in layouts for g in x.block_ids for b in g]  # noqa: E731
+    assert flat(contiguous) == sorted(flat(contiguous))
+    assert flat(shuffled) != sorted(flat(shuffled))
+
+
+@pytest.mark.parametrize("p, d", [(1, 1), (2, 8), (4, 2), (1, 2)])
+def test_source_bytes_add_up_to_what_each_decode_rank_receives(p, d):
+    spec = BenchSpec(preset="qwen3.5-397b-a17b", prefill_tp=p, decode_tp=d)
+    per_rank = sizing.source_bytes(spec, 8192)
+    assert len(per_rank) == d
+    model = sizing.geometry(spec, True).model
+    producers = fake_engine(model, p, None, 8)
+    for rank, per_source in enumerate(per_rank):
+        expected = Planner(model, fake_engine(model, d, None, 8, 1)[rank], producers).expected_bytes(8192)
+        assert sum(per_source.values()) == expected
+
+
+def test_design_worked_example_bytes_per_decode_rank():
+    """DESIGN 3: qwen3.5-397b-a17b, 8192 tokens, P2 -> D8 moves 149,836,800 B into each decode rank."""
+    spec = BenchSpec(preset="qwen3.5-397b-a17b", prefill_tp=2, decode_tp=8)
+    assert all(sum(x.values()) == 149_836_800 for x in sizing.source_bytes(spec, 8192))
+
+
+def test_ceiling_sizes_cover_the_largest_point_and_concurrency():
+    spec = BenchSpec(prefill_tp=1, decode_tp=2, requests=3, concurrency=8, sweep=Sweep.TOKENS,
+                     sweep_values=(64.0, 2048.0))
+    c = sizing.ceiling_sizes(spec)
+    assert c.slots == 3  # never more slots than requests
+    largest = sizing.source_bytes(spec, 2048)
+    assert c.dst_slot_bytes == tuple(sum(x.values()) for x in largest)
+    assert c.src_slot_bytes == (max(x[0] for x in largest),)
+    mem = sizing.memory_estimate(spec, c)
+    assert mem.total_bytes == mem.prefill_rank_bytes + 2 * mem.decode_rank_bytes
+
+
+def test_verify_doubles_the_decode_cache_estimate():
+    plain, checked = BenchSpec(requests=2), BenchSpec(requests=2, verify=True)
+    c = sizing.ceiling_sizes(plain)
+    geo = sizing.geometry(plain, False)
+    cache = geo.num_tensors * geo.page_bytes * sizing.pool_blocks(plain, False)
+    assert sizing.memory_estimate(checked, c).decode_rank_bytes - sizing.memory_estimate(plain, c).decode_rank_bytes \
+        == cache

@@ -1,0 +1,106 @@
+"""Percentiles, ratios and the per-variant summary, on hand-made timing records (no clocks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybrid_transfer.bench.stats import (
+    ConsumerRun,
+    PlanTiming,
+    ProducerServe,
+    RequestTiming,
+    gbps,
+    median,
+    percentile,
+    ratio,
+    summarize,
+)
+from hybrid_transfer.errors import ConfigError
+
+
+def test_percentile_interpolates_between_closest_ranks():
+    values = [10.0, 20.0, 30.0, 40.0]
+    assert percentile(values, 0) == 10.0
+    assert percentile(values, 100) == 40.0
+    assert percentile(values, 50) == 25.0
+    assert percentile(values, 99) == pytest.approx(39.7)
+    assert percentile([7.0], 99) == 7.0
+    assert median([3.0, 1.0, 2.0]) == 2.0  # order of the input does not matter
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1e6, 1e6), min_size=1, max_size=50), st.floats(0, 100))
+def test_percentile_matches_numpy_linear_method(values, q):
+    assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-9, abs=1e-6)
+
+
+@pytest.mark.parametrize("values, q", [([], 50), ([1.0], -1), ([1.0], 100.5)])
+def test_percentile_rejects_no_values_and_bad_q(values, q):
+    with pytest.raises(ConfigError):
+        percentile(values, q)
+
+
+def test_ratio_and_gbps():
+    assert ratio(3.0, 4.0) == 0.75
+    assert ratio(3.0, 0.0) is None
+    assert ratio(None, 4.0) is None
+    assert ratio(3.0, None) is None
+    assert gbps(2_000_000_000, 0.5) == 4.0
+    assert gbps(10, 0.0) == 0.0
+
+
+def _t(rid, post, done, nbytes=1000, ndesc=10, notify=None, posted=None):
+    return RequestTiming(rid, post, post + 0.001 if posted is None else posted,
+                         done if notify is None else notify, done, nbytes, ndesc, 0.0001)
+
+
+def test_summarize_spans_ranks_and_requests():
+    # Two decode ranks, two requests each; rank 1 starts later and finishes last.
+    runs = [
+        ConsumerRun(0, (_t("a", 10.0, 10.2, ndesc=4), _t("b", 10.1, 10.3, ndesc=4)), cpu_s=0.5),
+        ConsumerRun(1, (_t("a", 10.05, 10.4, ndesc=6), _t("b", 10.2, 10.6, ndesc=6)), cpu_s=0.7),
+    ]
+    serves = [ProducerServe(0, {"a": 10.45, "b": 10.61}, cpu_s=0.1, hold_s=(0.002, 0.004))]
+    plans = [PlanTiming(0, (0.001, 0.003), (4, 4), (4, 4)), PlanTiming(1, (0.002, 0.002), (6, 6), (6, 6))]
+    s = summarize("coalesced", runs, serves, plans)
+    assert s.requests == 2
+    assert s.payload_bytes == 4000
+    assert s.window_s == pytest.approx(0.6)  # first post 10.0 -> last done 10.6
+    assert s.gbps == pytest.approx(4000 / 0.6 / 1e9)
+    assert s.descriptors_per_request == 10.0  # summed over ranks
+    assert s.pieces_per_request == 10.0
+    # Latency of a: 10.0 -> 10.4; of b: 10.1 -> 10.6.
+    assert s.p50_ms == pytest.approx(450.0)
+    assert s.p99_ms == pytest.approx(400.0 + 100.0 * 0.99)
+    # Lag: last free - last notify per request: a 10.45 - 10.4, b 10.61 - 10.6.
+    assert s.notify_lag_p50_ms == pytest.approx(30.0)
+    assert s.plan_ms == pytest.approx(2.0)
+    assert s.hold_ms == pytest.approx(3.0)
+    assert s.post_ms == pytest.approx(1.0)
+    assert s.overhead_ms == pytest.approx(1.1)  # post + completion share 0.1 ms
+    assert s.consumer_cpu_s == (0.5, 0.7) and s.producer_cpu_s == (0.1,)
+    assert s.verified is False
+
+
+def test_summarize_without_producers_has_no_lag_and_no_plan():
+    s = summarize("ceiling", [ConsumerRun(0, (_t("a", 1.0, 1.5),), cpu_s=0.0)])
+    assert s.notify_lag_p50_ms is None and s.plan_ms is None and s.hold_ms is None
+    assert s.pieces_per_request is None
+
+
+def test_summarize_skips_lag_of_requests_a_producer_never_freed():
+    runs = [ConsumerRun(0, (_t("a", 1.0, 1.5), _t("b", 1.0, 1.6)), cpu_s=0.0)]
+    serves = [ProducerServe(0, {"a": 1.7}, 0.0), ProducerServe(1, {"a": 1.8, "b": 1.9}, 0.0)]
+    s = summarize("naive", runs, serves)
+    assert s.notify_lag_p50_ms == pytest.approx(300.0) and s.notify_lag_p99_ms == pytest.approx(300.0)
+
+
+def test_summarize_rejects_no_timings_and_ranks_that_disagree():
+    with pytest.raises(ConfigError):
+        summarize("naive", [ConsumerRun(0, (), 0.0)])
+    runs = [ConsumerRun(0, (_t("a", 1.0, 2.0),), 0.0), ConsumerRun(1, (_t("b", 1.0, 2.0),), 0.0)]
+    with pytest.raises(ConfigError):
+        summarize("naive", runs)
