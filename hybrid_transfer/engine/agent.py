@@ -109,6 +109,7 @@ class NixlAgent:
         self.config = config
         self._closed = False
         self._reg_descs: Any = None
+        self._more_descs: list[Any] = []  # register_more: pack mode's staging pools
         self._mem_type = "DRAM"
         self._peers: set[str] = set()
         self._live: set[XferHandle] = set()  # created and not yet released: what could still write
@@ -135,6 +136,20 @@ class NixlAgent:
         rows = [(r.addr, r.length, r.device_id, "") for r in regions]
         with self._wrap("register"):
             self._reg_descs = self._agent.register_memory(self._agent.get_reg_descs(rows, self._mem_type))
+
+    def register_more(self, regions: Sequence[Region]) -> None:
+        """Register further whole tensors of the cache's memory kind (staging pools), after ``register``.
+
+        Peers see them only in metadata read afterwards: producers call this before the handshake card is built.
+        """
+        if self._reg_descs is None:
+            raise EngineError("register the cache before further regions", operation="register", agent=self.name)
+        if any(r.is_cuda != (self._mem_type == "VRAM") for r in regions):
+            raise EngineError(f"further regions must be {self._mem_type} like the cache", operation="register",
+                              agent=self.name)
+        rows = [(r.addr, r.length, r.device_id, "") for r in regions]
+        with self._wrap("register"):
+            self._more_descs.append(self._agent.register_memory(self._agent.get_reg_descs(rows, self._mem_type)))
 
     @property
     def metadata(self) -> bytes:
@@ -259,6 +274,12 @@ class NixlAgent:
                 self.remove_remote(peer)
             except EngineError as exc:
                 log.warning("%s", exc)
+        for descs in self._more_descs:
+            try:
+                self._agent.deregister_memory(descs)
+            except self._errors as exc:
+                log.warning("deregistering staging of agent %s failed: %s", self.name, exc)
+        self._more_descs = []
         if self._reg_descs is not None:
             try:
                 self._agent.deregister_memory(self._reg_descs)

@@ -1,9 +1,9 @@
 """A short calibration of auto mode's cost model on this rank: READ and copy costs, measured.
 
 Loopback READs (the agent reads its own staging pool: NIXL lets an agent name itself as the peer)
-of one large descriptor and of many small ones with gaps between them (so nothing merges) give the
-per-byte and the per-descriptor cost; gathers from the cache into staging of one piece and of
-many give the copy costs. Loopback is not the cross-process path (on CPU hosts it skips the
+of one small descriptor, of one large one and of the same bytes as many small ones with gaps
+between them (so nothing merges) give the per-byte and the per-descriptor cost; gathers from the
+cache into staging of one piece and of many give the copy costs. Loopback is not the cross-process path (on CPU hosts it skips the
 shared-memory transport), so an embedder that knows better passes ``EngineConfig.cost``.
 About 0.1-0.5 s on a CPU host; the time and figures are logged.
 """
@@ -30,6 +30,7 @@ PROBE_BYTES = 8 << 20
 SMALL_BYTES = 4 << 10
 REPEATS = 3
 READ_TIMEOUT_S = 10.0
+_MIN_COST_S = 1e-9
 
 
 def cost_model(params: CostParams) -> CostModel:
@@ -44,25 +45,31 @@ def calibrate(agent: NixlAgent, pool: StagingPool, copier: Copier, *, probe_byte
     """Measure READ and copy costs between ``pool`` and itself and from the copier's cache into it.
 
     Raises:
-        ConfigError: the pool cannot hold two probes of ``2 * small_bytes``.
+        ConfigError: the pool cannot hold two probes of ``4 * small_bytes``.
         EngineError: a READ failed or did not finish within READ_TIMEOUT_S.
     """
     started = time.perf_counter()
-    half = min(probe_bytes, pool.capacity_bytes // 2) // (2 * small_bytes) * (2 * small_bytes)
+    half = min(probe_bytes, pool.capacity_bytes // 2) // (4 * small_bytes) * (4 * small_bytes)
     src, dst = (pool.try_alloc(half) if half > 0 else None), (pool.try_alloc(half) if half > 0 else None)
     try:
         if src is None or dst is None:
             raise ConfigError(f"a staging pool of {pool.capacity_bytes} B is too small to calibrate in",
                               field="staging_bytes", value=pool.capacity_bytes)
         dev = pool.region.device_id
-        one = _read_s(agent, np.array([[dst.addr, half, dev]]), np.array([[src.addr, half, dev]]), repeats)
-        count = half // (2 * small_bytes)
-        offs = np.arange(count, dtype=np.int64) * 2 * small_bytes
-        many_l = np.stack([dst.addr + offs, np.full(count, small_bytes), np.full(count, dev)], axis=1)
-        many_r = np.stack([src.addr + offs, np.full(count, small_bytes), np.full(count, dev)], axis=1)
-        many = _read_s(agent, many_l, many_r, repeats)
-        per_byte = one / half
-        per_desc = max(0.0, (many - count * small_bytes * per_byte) / count)
+        nbytes = half // 2  # the same bytes as one descriptor and as many with gaps (the gaps need 2x)
+        count = nbytes // small_bytes
+
+        def read(offsets: np.ndarray, size: int) -> float:
+            n = offsets.shape[0]
+            local = np.stack([dst.addr + offsets, np.full(n, size), np.full(n, dev)], axis=1)
+            remote = np.stack([src.addr + offsets, np.full(n, size), np.full(n, dev)], axis=1)
+            return _read_s(agent, local, remote, repeats)
+
+        zero = np.zeros(1, dtype=np.int64)
+        tiny, one = read(zero, small_bytes), read(zero, nbytes)
+        many = read(np.arange(count, dtype=np.int64) * 2 * small_bytes, small_bytes)
+        per_byte = max(one - tiny, 0.0) / (nbytes - small_bytes) or one / nbytes
+        per_desc = max((many - one) / (count - 1), _MIN_COST_S)  # never free, however noisy the host
         copy_byte, copy_piece, launch = _copy_costs(copier, dst, half, small_bytes, repeats)
     finally:
         for piece in (src, dst):

@@ -22,6 +22,15 @@ lookup); post-to-DONE was 25-28 ms for all three (the copy dominates on CPU). Pe
 only work when every planned range is an entry of a list prepared per block in advance, which
 fails as soon as the two sides' block sizes differ (pieces end at arbitrary tokens); DIRECT is
 general and faster than per-request prepared lists, so it is the default.
+
+Pack mode (issue 6): producers gather each held request into a staging pool at hold() time, in
+a canonical order (plan/stage_layout.py) that makes every consumer rank's share at most two
+ranges per source; consumers read those and scatter them. When a request does not fit a pool
+(the producer's at hold(), the consumer's when the READ is posted), that source is read directly,
+counted, never delayed: waiting for space would tie one request's latency to other requests'
+completions (and, on the producer, cannot happen inside hold()), while direct reads are always
+correct. ``auto`` chooses per source with plan/cost.py's model, calibrated at consumer start
+(engine/calibrate.py) unless ``cost`` gives the parameters.
 """
 
 from __future__ import annotations
@@ -49,7 +58,17 @@ class PrepStrategy(enum.Enum):
     PREPPED = "prepped"  # prep_xfer_dlist per request + make_prepped_xfer over all indices (NIXL may merge)
 
 
-_EXECUTABLE_MODES = (PlanMode.COALESCED, PlanMode.NAIVE)
+_STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
+
+
+class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Auto mode's cost model parameters (plan/cost.py); defaults: DESIGN 8's H200 figures."""
+
+    per_descriptor_s: float = 7.5e-6
+    per_byte_s: float = 1.0 / 1.755e12
+    copy_per_byte_s: float = 1.0 / 2.13e12
+    per_piece_copy_s: float = 2e-8
+    copy_launch_s: float = 1e-5
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,7 +86,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     progress: who progresses NIXL; see the measured figures in this module's docstring.
     progress_delay_us: sleep of NIXL's progress thread between rounds (ON_WITH_DELAY only).
     num_backend_threads: UCX backend worker threads (0: NIXL's default).
-    mode: plan mode of the consumer's reads (pack execution is not implemented yet).
+    mode: plan mode of the consumer's reads: coalesced, naive, pack (through staging, see above) or
+        auto (per source, pack when the cost model expects it to be faster). Producers stage the
+        requests they hold only in pack and auto.
+    staging_bytes: each rank's registered staging pool (pack and auto only). A producer rank holds
+        a staged copy of its bytes of every held request until it is freed; a consumer rank needs
+        the bytes of its reads in flight. What does not fit is read directly (see above).
+    cost: auto mode's cost parameters; None: calibrate at consumer start (``calibrate``), else the defaults.
+    calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s).
     prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
     """
 
@@ -82,6 +108,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_backend_threads: int = 0
     mode: PlanMode = PlanMode.COALESCED
     prep: PrepStrategy = PrepStrategy.DIRECT
+    staging_bytes: int = 256 << 20
+    cost: CostParams | None = None
+    calibrate: bool = True
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -101,8 +130,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
         if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
             _bad("num_backend_threads", self.num_backend_threads, "must be a non-negative integer")
-        if self.mode not in _EXECUTABLE_MODES:
-            _bad("mode", self.mode.value, f"is not executable yet; use one of {[m.value for m in _EXECUTABLE_MODES]}")
+        if not isinstance(self.mode, PlanMode):
+            _bad("mode", self.mode, f"must be one of {[m.value for m in PlanMode]}")
+        if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0 or (
+                self.mode in _STAGING_MODES and self.staging_bytes == 0):
+            _bad("staging_bytes", self.staging_bytes, "must be a non-negative integer, positive in pack and auto mode")
+        if self.cost is not None:
+            for name in CostParams.__struct_fields__:
+                value = getattr(self.cost, name)
+                if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                    _bad(f"cost.{name}", value, "must be a non-negative, finite number of seconds")
         return self
 
     @property

@@ -5,6 +5,14 @@ poll, connect and close are called from that thread only. start_read never
 waits on the network: a request for a producer engine not yet handshaked waits
 in WAITING_PEER, and poll() plans and posts it once the handshake completes.
 On CPU hosts UCX may copy the bytes inside the post itself (agent.py).
+
+Lifecycle under faults (issue 5): after the handshake this rank says Hello to each producer
+agent (its metadata, so the producer can notify it) and READs from it only after its Welcome,
+which lists the tickets it revoked; a later Revoke fails the request (never DONE) and is
+acknowledged at once. Heartbeats renew the leases of waiting and reading requests. A failed or
+aborted request's blocks go to the quarantine (quarantine.py) and the request is reported only
+once no handle and no unfinished engine step can write them; its producer ranks are told at
+once, so they free early. NIXL reporting a producer agent disconnected fails its requests.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,9 +29,15 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
-from hybrid_transfer.engine.peers import LinkState, Peers
+from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.pack_reader import PackReader
+from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
+from hybrid_transfer.engine.quarantine import Quarantine
+from hybrid_transfer.engine.revocations import Tombstones
 from hybrid_transfer.engine.state import (
+    ENDING,
     TERMINAL,
+    FailureCause,
     ReadRequest,
     ReadResult,
     ReadState,
@@ -30,35 +45,48 @@ from hybrid_transfer.engine.state import (
     transition,
 )
 from hybrid_transfer.errors import (
+    BlockBusyError,
     EngineError,
     HandshakeError,
     HandshakeTimeout,
     HybridTransferError,
+    PeerDisconnectedError,
     PlanError,
     ReadDeadlineError,
+    RequestAbortedError,
     RequestStateError,
+    SourceLostError,
     StatePositionError,
     TicketError,
+    TicketRevokedError,
     UnsupportedError,
+    WireDecodeError,
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.rank import describe_rank
-from hybrid_transfer.plan.types import ReadPlan, SourcePlan
+from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
 
 log = logging.getLogger(__name__)
 
 _CONNECT_POLL_MS = 20
+_LIVE = (ReadState.WAITING_PEER, ReadState.READING)
 
 
 @dataclass
 class ConsumerStats:
     done: int = 0
     failed: int = 0
+    aborted: int = 0
     reads_posted: int = 0
     notifications_sent: int = 0
-    notify_failures: int = 0  # data in place but a producer rank could not be told (its lease frees it)
-    unexpected_notifications: int = 0  # nothing is sent to consumers yet (aborts will be, issue 5)
+    notify_failures: int = 0  # a producer rank could not be told (its lease frees the blocks)
+    heartbeats_sent: int = 0  # messages: one per producer agent per interval, listing every request
+    heartbeat_failures: int = 0
+    hellos_sent: int = 0
+    welcomes: int = 0
+    revokes: int = 0  # Revoke messages taken in (each acknowledged)
+    unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
 
 
 class Consumer:
@@ -83,6 +111,7 @@ class Consumer:
         self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config)
         self._closed = False
         self._peers: Peers | None = None
+        self._pack: PackReader | None = None
         try:
             self.agent.register(cache.regions)
             regions = cache.regions
@@ -92,11 +121,23 @@ class Consumer:
             self._digest = self.fingerprint.digest()
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
                                 clock, self.config.handshake_timeout_s)
+            # Pack mode (staging reads, engine/pack_reader.py) and every request's timings.
+            self._pack = PackReader(self.agent, cache, self.config, self._digest)
         except BaseException:
             self.close()
             raise
+        self._metadata = self.agent.metadata  # sent in each Hello (connection info: producers only notify us)
         self._requests: dict[str, ReadRequest] = {}
         self.stats = ConsumerStats()
+        self.failure_causes: Counter[str] = Counter()  # FailureCause value -> requests reported FAILED with it
+        self.fences = StepFences()
+        self._quarantine = Quarantine(self.fences)
+        self._owners: dict[int, str] = {}  # local block id -> the not yet reported request that owns it
+        self._tombstones = Tombstones()
+        self._greeted: set[str] = set()  # producer agents sent a Hello
+        self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
+        self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
+        self._next_heartbeat_at = clock()
 
     # ---- handshakes ---------------------------------------------------------------
     def connect(self, address: str, *, timeout_s: float | None = None) -> None:
@@ -115,6 +156,7 @@ class Consumer:
         while True:
             link = link.resolve()
             if link.state is LinkState.READY:
+                self._greet(link)  # the Welcome arrives with a later poll(); reads wait for it
                 return
             if link.state is LinkState.FAILED:
                 raise _again(link.error)
@@ -139,6 +181,8 @@ class Consumer:
             PlanError (subclasses): local (or, when the engine is already linked, remote) block ids
                 that do not fit the request.
             HandshakeError: the ticket's engine is known to be incompatible.
+            BlockBusyError: a local block still belongs to a request not reported yet (reading, or
+                quarantined until nothing can write it).
         """
         self._check_open()
         rid = ticket.request_id
@@ -158,30 +202,63 @@ class Consumer:
         link = self._peers.ensure(ticket.engine_key, ticket.addresses)
         if link.state is LinkState.FAILED:
             raise _again(link.error)
+        local = tuple(tuple(int(b) for b in arr) for arr in ids)
+        busy = [b for group in local for b in group if b in self._owners]
+        if busy:
+            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
         now = self._clock()
-        req = ReadRequest(rid, ticket, tuple(tuple(int(b) for b in arr) for arr in ids), link, started_at=now,
-                          deadline=now + self.config.read_deadline_s, changed_at=now)
+        req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
+                          changed_at=now)
         plan = self._plan(req) if link.state is LinkState.READY else None  # PlanError: nothing registered yet
         self._requests[rid] = req
-        if plan is not None:
+        for group in local:
+            for b in group:
+                self._owners[b] = rid
+        if (rid, ticket.nonce) in self._tombstones:
+            self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
+        elif plan is not None and self._greet(link) and self._lost_agent(link) is None:
             self._post(req, plan, now)
 
     def poll(self) -> list[ReadResult]:
-        """Progress handshakes and READs; return every request that reached DONE or FAILED."""
+        """Progress handshakes, notifications and READs; return every request that ended.
+
+        DONE as soon as the bytes are in place; FAILED and ABORTED only once their blocks have
+        left the quarantine (no handle and no unfinished step can write them).
+        """
         self._check_open()
         self._peers.progress()
         # Also progresses NIXL (progress thread OFF): flushes our notifications, serves peers' wire-up.
-        for messages in self.agent.get_notifs().values():
-            self.stats.unexpected_notifications += len(messages)
+        # Revocations are taken in before any READ is judged DONE (see the module docstring).
+        self._take_notifications()
+        self._pack.receive()
         now = self._clock()
-        results = []
+        self._tombstones.prune(now)
         for req in list(self._requests.values()):
             self._advance(req, now)
-            if req.state in TERMINAL:
-                del self._requests[req.request_id]
-                results.append(ReadResult(req.request_id, req.state, req.local_block_ids, req.num_bytes,
-                                          req.num_descriptors, req.started_at, req.changed_at, req.error))
-        return results
+        self._heartbeat(now)
+        return self._collect(now)
+
+    def abort(self, request_id: str) -> bool:
+        """The embedder gives up on a request; False when it is unknown or already ending.
+
+        The producer ranks are told at once (they free early). The local blocks stay quarantined
+        until every READ handle is released and their step fences have passed; poll() then
+        reports the request ABORTED.
+        """
+        self._check_open()
+        req = self._requests.get(request_id)
+        if req is None or req.state not in _LIVE:
+            return False
+        self._end(req, RequestAbortedError(request_id=request_id, state=req.state.value), self._clock())
+        return True
+
+    def mark_blocks_written(self, block_ids: Sequence[int], step: int) -> None:
+        """Engine step ``step`` writes these local blocks: a failed or aborted request keeps them until it finished."""
+        self.fences.mark(block_ids, step)
+
+    def finish_step(self, step: int) -> None:
+        """Every engine step up to ``step`` has finished on the device."""
+        self.fences.finish(step)
 
     def is_active(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -190,87 +267,259 @@ class Consumer:
     def num_active(self) -> int:
         return len(self._requests)
 
+    @property
+    def num_quarantined_blocks(self) -> int:
+        """Local blocks of failed or aborted requests that something may still write."""
+        return self._quarantine.num_blocks
+
+    @property
+    def terminal_counts(self) -> dict[str, int]:
+        """Requests reported, by terminal state."""
+        return {"done": self.stats.done, "failed": self.stats.failed, "aborted": self.stats.aborted}
+
     # ---- the lifecycle ----------------------------------------------------------------
     def _advance(self, req: ReadRequest, now: float) -> None:
         if req.state is ReadState.WAITING_PEER:
             link = req.link.resolve()
             if link.state is LinkState.READY:
-                try:
-                    plan = self._plan(req)
-                except (PlanError, UnsupportedError) as exc:
-                    self._fail(req, exc, now)
-                else:
-                    self._post(req, plan, now)
+                lost = self._lost_agent(link)
+                if lost is not None:
+                    self._end(req, SourceLostError(request_id=req.request_id, agent=lost, detail=str(self._lost[lost])),
+                              now, FailureCause.SOURCE_LOST)
+                elif self._greet(link):
+                    try:
+                        plan = self._plan(req)
+                    except (PlanError, UnsupportedError) as exc:
+                        self._end(req, exc, now, FailureCause.PLAN)
+                    else:
+                        self._post(req, plan, now)
+                elif now >= req.deadline:
+                    self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
             elif link.state is LinkState.FAILED:
-                self._fail(req, _again(link.error), now)
+                self._end(req, _again(link.error), now, FailureCause.HANDSHAKE)
             elif now >= req.deadline:
-                self._fail(req, self._deadline_error(req), now)
+                self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
         elif req.state is ReadState.READING:
+            pack_error = self._pack.advance(req, now)  # pack: scatters staged sources whose READ is DONE
             states = [self.agent.check(h) for h in req.handles]
-            if XferState.ERR in states:
-                peers = [h.peer for h in req.handles if h.state is XferState.ERR]
-                self._fail(req, EngineError("READ ended in error", operation="READ", agent=self.agent.name,
-                                            peer=peers[0]), now)
-            elif all(s is XferState.DONE for s in states):
+            if pack_error is not None:
+                self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
+            elif XferState.ERR in states:
+                self._on_read_error(req, now)
+            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req):
                 self._complete(req, now)
             elif now >= req.deadline:
-                self._fail(req, self._deadline_error(req), now)
-        elif req.state is ReadState.DRAINING:
-            if all(self.agent.release(h) for h in req.handles):
-                transition(req, ReadState.FAILED, now)
-                self.stats.failed += 1
+                self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
+
+    def _on_read_error(self, req: ReadRequest, now: float) -> None:
+        bad = [h for h in req.handles if h.state is XferState.ERR]
+        for h in bad:
+            if isinstance(h.error, PeerDisconnectedError):
+                self._lose(h.peer, h.error)
+        gone = next((h for h in bad if h.peer in self._lost), None)
+        if gone is not None:
+            self._end(req, SourceLostError(request_id=req.request_id, agent=gone.peer, detail=str(gone.error)), now,
+                      FailureCause.SOURCE_LOST)
+        else:
+            h = bad[0]
+            error = h.error or EngineError("READ ended in error", operation="READ", agent=self.agent.name, peer=h.peer)
+            self._end(req, error, now, FailureCause.NIXL)
 
     def _plan(self, req: ReadRequest) -> ReadPlan:
         t = req.ticket
         planner = req.link.resolve().planner
-        plan = planner.plan(req.local_block_ids, t.block_ids, t.num_tokens, self.config.mode)
-        for src in plan.sources:
-            if not isinstance(src, SourcePlan):
-                raise UnsupportedError(f"plan mode {plan.mode.value}: pack execution is not implemented yet")
-        return plan
+        return planner.plan(req.local_block_ids, t.block_ids, t.num_tokens, self._pack.plan_mode)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)
         link = req.link.resolve()
         req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
+        self._pack.on_post(req, now)
         for src in plan.sources:
+            if self._pack.takes(req, src, link):  # pack / auto: through the source's staging
+                continue
             try:
                 handle = self.agent.post_read(link.agents[src.source_rank], src.local_descs(), src.remote_descs())
             except EngineError as exc:
-                self._fail(req, exc, now)
+                self._on_post_error(req, link.agents[src.source_rank], exc, now)
                 return
             req.handles.append(handle)
             req.num_bytes += handle.num_bytes
             req.num_descriptors += handle.num_descriptors
             self.stats.reads_posted += 1
 
+    def _on_post_error(self, req: ReadRequest, peer: str, exc: HybridTransferError, now: float) -> None:
+        if isinstance(exc, PeerDisconnectedError):
+            self._lose(peer, exc)
+            self._end(req, SourceLostError(request_id=req.request_id, agent=peer, detail=str(exc)), now,
+                      FailureCause.SOURCE_LOST)
+        else:
+            self._end(req, exc, now, FailureCause.NIXL)
+
     def _complete(self, req: ReadRequest, now: float) -> None:
         """Every READ is DONE: the bytes are in place. Only now tell the producer ranks."""
-        link = req.link.resolve()
-        t = req.ticket
-        for source_rank, expected in req.notify:
-            message = wire.encode(wire.Completion(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
-                                                  expected_consumers=expected), self._digest)
-            try:
-                self.agent.send_notif(link.agents[source_rank], message)
-                self.stats.notifications_sent += 1
-            except EngineError as exc:
-                self.stats.notify_failures += 1
-                log.warning("consumer %s: %s", self.agent.name, exc)
-        for handle in req.handles:
-            self.agent.release(handle)
+        self._tell_producers(req, wire.CompletionKind.DONE)
+        leftovers = [h for h in req.handles if not self.agent.release(h)]
+        if leftovers:  # DONE handles write nothing more; NIXL lets go of them on a later poll
+            self._quarantine.add(f"\0done:{id(req)}", (), leftovers)
         transition(req, ReadState.DONE, now)
         self.stats.done += 1
 
-    def _fail(self, req: ReadRequest, error: HybridTransferError, now: float) -> None:
-        """Fail a request; it stays DRAINING while any posted READ may still write its blocks."""
-        if req.error is None:
-            req.error = error
-        if all(self.agent.release(h) for h in req.handles):
+    def _end(self, req: ReadRequest, error: HybridTransferError, now: float,
+             cause: FailureCause | None = None) -> None:
+        """Fail (with ``cause``) or abort (without) a live request; the one path out for both.
+
+        Its producer ranks are told at once (a READ still in flight lands only in quarantined
+        blocks), its handles are released where NIXL lets go, and it is reported once its blocks
+        leave the quarantine.
+        """
+        req.error, req.cause = error, cause
+        transition(req, ReadState.DRAINING if cause is not None else ReadState.ABORTING, now)
+        self._quarantine.add(req.request_id, (b for group in req.local_block_ids for b in group), req.handles)
+        self._tell_producers(req, wire.CompletionKind.FAILED if cause is not None else wire.CompletionKind.ABORTED)
+        if self._quarantine.sweep(self._release, [req.request_id]):
+            self._finish_ending(req, now)
+
+    def _release(self, handle) -> bool:
+        """For the quarantine: progress a handle, then let go of it if NIXL allows."""
+        self.agent.check(handle)
+        return self.agent.release(handle)
+
+    def _finish_ending(self, req: ReadRequest, now: float) -> None:
+        if req.state is ReadState.ABORTING:
+            transition(req, ReadState.ABORTED, now)
+            self.stats.aborted += 1
+        else:
             transition(req, ReadState.FAILED, now)
             self.stats.failed += 1
-        elif req.state is not ReadState.DRAINING:
-            transition(req, ReadState.DRAINING, now)
+            self.failure_causes[req.cause.value if req.cause else "unknown"] += 1
+
+    def _collect(self, now: float) -> list[ReadResult]:
+        """Let out of quarantine what nothing can write any more; report and forget every ended request."""
+        for key in self._quarantine.sweep(self._release):
+            req = self._requests.get(key)
+            if req is not None and req.state in ENDING:
+                self._finish_ending(req, now)
+        results = []
+        for req in list(self._requests.values()):
+            if req.state not in TERMINAL:
+                continue
+            del self._requests[req.request_id]
+            for group in req.local_block_ids:
+                for b in group:
+                    if self._owners.get(b) == req.request_id:
+                        del self._owners[b]
+            results.append(ReadResult(req.request_id, req.state, req.local_block_ids, req.num_bytes,
+                                      req.num_descriptors, req.started_at, req.changed_at, req.error, req.cause,
+                                      **self._pack.result_fields(req.request_id)))
+            self._pack.forget(req.request_id)  # terminal: no handle writes its staging any more
+        return results
+
+    def _tell_producers(self, req: ReadRequest, kind: wire.CompletionKind) -> None:
+        """Tell every producer rank the request depends on that this rank is finished with it (DESIGN 3)."""
+        link = req.link.resolve()
+        if link.state is not LinkState.READY:
+            return  # no producer rank knows this agent yet: their leases free the blocks
+        notify = req.notify or tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify)
+        t = req.ticket
+        for source_rank, expected in notify:
+            peer = link.agents.get(source_rank)
+            if peer is None or peer in self._lost:
+                continue
+            message = wire.encode(wire.Completion(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
+                                                  expected_consumers=expected, kind=kind), self._digest)
+            if self._send(peer, message):
+                self.stats.notifications_sent += 1
+            else:
+                self.stats.notify_failures += 1
+
+    # ---- notifications to and from producer agents ---------------------------------------
+    def _send(self, peer: str, message: bytes) -> bool:
+        """One notification; False when it failed (a disconnected agent is then marked lost)."""
+        try:
+            self.agent.send_notif(peer, message)
+            return True
+        except PeerDisconnectedError as exc:
+            self._lose(peer, exc)
+        except EngineError as exc:
+            log.warning("consumer %s: %s", self.agent.name, exc)
+        return False
+
+    def _greet(self, link: EngineLink) -> bool:
+        """Say Hello once to each producer agent of a ready link; True once every one has welcomed us."""
+        welcomed = True
+        for agent in link.agents.values():
+            if agent not in self._greeted and agent not in self._lost:
+                self._greeted.add(agent)
+                if self._send(agent, wire.encode(wire.Hello(consumer_rank=self.tp_rank,
+                                                            agent_metadata=self._metadata), self._digest)):
+                    self.stats.hellos_sent += 1
+            welcomed = welcomed and agent in self._welcomed
+        return welcomed
+
+    def _take_notifications(self) -> None:
+        for sender, messages in self.agent.get_notifs().items():
+            for message in messages:
+                self._on_notification(sender, message)
+
+    def _on_notification(self, sender: str, message: bytes) -> None:
+        try:
+            env, body = wire.decode(message)
+        except WireDecodeError:
+            self.stats.unexpected_notifications += 1
+            return
+        if env.fingerprint != self._digest or sender not in self._greeted:
+            self.stats.unexpected_notifications += 1
+            return
+        now = self._clock()
+        if isinstance(body, wire.Welcome):
+            self.stats.welcomes += 1
+            for ref in body.revoked:
+                self._revoke(ref, sender, now + body.lease_s)
+            self._welcomed.add(sender)
+        elif isinstance(body, wire.Revoke):
+            self.stats.revokes += 1
+            self._revoke(body.request, sender, now + body.lease_s)
+            self._send(sender, wire.encode(wire.RevokeAck(request=body.request), self._digest))
+        else:
+            self.stats.unexpected_notifications += 1
+
+    def _revoke(self, ref: wire.RequestRef, agent: str, until: float) -> None:
+        """Remember a revoked ticket; a request reading it fails (it must never be reported DONE)."""
+        self._tombstones.add(ref.request_id, ref.nonce, until)
+        req = self._requests.get(ref.request_id)
+        if req is not None and req.ticket.nonce == ref.nonce and req.state in _LIVE:
+            self._end(req, TicketRevokedError(request_id=ref.request_id, nonce=ref.nonce, agent=agent), self._clock(),
+                      FailureCause.REVOKED)
+
+    def _heartbeat(self, now: float) -> None:
+        """Every heartbeat interval: one Heartbeat per producer agent, naming each request waiting or reading."""
+        if now < self._next_heartbeat_at:
+            return
+        self._next_heartbeat_at = now + self.config.heartbeat_every_s
+        per_agent: dict[str, list[wire.RequestRef]] = {}
+        for req in self._requests.values():
+            link = req.link.resolve()
+            if req.state in _LIVE and link.state is LinkState.READY:
+                ref = wire.RequestRef(req.request_id, req.ticket.nonce)
+                for agent in link.agents.values():
+                    per_agent.setdefault(agent, []).append(ref)
+        for agent, refs in per_agent.items():
+            if agent in self._lost:
+                continue
+            message = wire.encode(wire.Heartbeat(consumer_rank=self.tp_rank, requests=tuple(refs)), self._digest)
+            if self._send(agent, message):
+                self.stats.heartbeats_sent += 1
+            else:
+                self.stats.heartbeat_failures += 1
+
+    def _lose(self, agent: str, error: BaseException) -> None:
+        if agent not in self._lost:
+            self._lost[agent] = error
+            log.warning("consumer %s: producer agent %s is gone: %s", self.agent.name, agent, error)
+
+    def _lost_agent(self, link: EngineLink) -> str | None:
+        return next((a for a in link.agents.values() if a in self._lost), None)
 
     def _deadline_error(self, req: ReadRequest) -> ReadDeadlineError:
         return ReadDeadlineError(request_id=req.request_id, deadline_s=self.config.read_deadline_s,
@@ -286,11 +535,23 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
+        bye = None
+        for agent in getattr(self, "_greeted", ()):
+            if agent not in self._lost:
+                bye = bye or wire.encode(wire.Bye(consumer_rank=self.tp_rank), self._digest)
+                self._send(agent, bye)
+        if bye is not None:
+            try:
+                self.agent.get_notifs()  # progress once: the Byes leave before the agent goes
+            except EngineError as exc:
+                log.info("consumer %s: %s", self.agent.name, exc)
         for req in getattr(self, "_requests", {}).values():
             for handle in req.handles:
                 self.agent.release(handle)
         if self._peers is not None:
             self._peers.close()
+        if self._pack is not None:
+            self._pack.close()
         self.agent.close()
 
     def __enter__(self) -> Consumer:

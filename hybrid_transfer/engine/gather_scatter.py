@@ -12,9 +12,10 @@ the device from the piece arrays, then
   scatter: arena_rows.index_copy_(0, rows, staging_rows)
 
 Bytes between the tensors are never touched: every piece is first checked to lie inside one
-tensor (RangeError otherwise). On CUDA both run on the copier's own stream and are timed with
-events; ``CopyTicket.is_done`` tells the caller when the bytes are in place (notify or answer only
-after that). On CPU they run inside the call.
+tensor (RangeError otherwise). On CUDA both run on the copier's own stream (a gather first waits
+for work queued on the caller's current stream) and are timed with events; ``CopyTicket.is_done``
+tells the caller when the bytes are in place (notify or answer only after that). On CPU they run
+inside the call.
 """
 
 from __future__ import annotations
@@ -156,6 +157,8 @@ class Copier:
             self._copy(rel // g, rows_per, total // g, g, width, dtype, staging, gather)
             return CopyTicket(time.perf_counter() - t0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if gather:  # cheap insurance: after any writes to the cache still queued on the caller's stream
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             start.record()
             keep = self._copy(rel // g, rows_per, total // g, g, width, dtype, staging, gather)

@@ -30,6 +30,7 @@ from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.side_channel import HandshakeServer
+from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
 from hybrid_transfer.errors import ConfigError, EngineError, PeerDisconnectedError, RequestStateError, WireDecodeError
 from hybrid_transfer.layout.fingerprint import fingerprint_of
@@ -91,6 +92,7 @@ class Producer:
         self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config)
         self._closed = False
         self._server: HandshakeServer | None = None
+        self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)
         try:
             self.agent.register(cache.regions)
             regions = cache.regions
@@ -98,6 +100,8 @@ class Producer:
                                             device_id=regions[0].device_id, is_cuda=regions[0].is_cuda)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
+            if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
+                self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
             self._accepted: queue.SimpleQueue[str] = queue.SimpleQueue()
             self.listener_stats = ListenerStats()
@@ -137,6 +141,9 @@ class Producer:
     def _respond(self, data: bytes) -> bytes | None:
         """Runs on the listener thread."""
         card = self._card  # set before the listener starts
+        staged = self.stager.respond(data) if self.stager is not None else None
+        if staged is not None:
+            return staged
         return answer(card, data, self.listener_stats, self._accepted.put) if card is not None else None
 
     # ---- requests -----------------------------------------------------------------
@@ -171,6 +178,8 @@ class Producer:
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
         nonce = secrets.randbits(63) if nonce is None else int(nonce)
         self._book.add(request_id, nonce, block_ids, num_tokens)
+        if self.stager is not None:
+            self.stager.stage(request_id, nonce, block_ids, num_tokens)
         return wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
             tp_size=self.tp_size, request_id=request_id, nonce=nonce, block_ids=block_ids,
@@ -243,6 +252,9 @@ class Producer:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
                 self._send_revokes(hold, set(self._welcomed))
         released = self._book.pop_released()
+        if self.stager is not None:
+            for request_id in released:
+                self.stager.release(request_id)
         self.stats.freed += len(released)
         return released
 
@@ -311,7 +323,7 @@ class Producer:
     def _on_hello(self, sender: str, body: wire.Hello) -> None:
         """Load the consumer agent's metadata and welcome it with the tickets this rank revoked."""
         try:
-            name = self.agent.add_remote(body.agent_metadata)
+            name = sender if sender in self._welcomed else self.agent.add_remote(body.agent_metadata)
         except EngineError as exc:
             self.stats.malformed += 1
             log.warning("producer %s: Hello from %s with unusable metadata: %s", self.agent.name, sender, exc)
@@ -332,16 +344,18 @@ class Producer:
                 self.stats.revokes_sent += 1
 
     def _notify(self, agent: str, body: wire.Body) -> bool:
-        """Send one message to a consumer agent; one that NIXL cannot reach is forgotten (False)."""
+        """Send one message to a consumer agent (False when it failed); a disconnected agent is forgotten."""
         try:
             self.agent.send_notif(agent, wire.encode(body, self._digest))
             return True
-        except EngineError as exc:
+        except PeerDisconnectedError as exc:
             self.stats.notify_failures += 1
-            level = logging.INFO if isinstance(exc, PeerDisconnectedError) else logging.WARNING
-            log.log(level, "producer %s: cannot notify %s, forgetting it: %s", self.agent.name, agent, exc)
+            log.info("producer %s: %s is gone, forgetting it: %s", self.agent.name, agent, exc)
             self._forget(agent)
-            return False
+        except EngineError as exc:  # the agent stays a possible reader: an abort then waits for the lease
+            self.stats.notify_failures += 1
+            log.warning("producer %s: cannot notify %s: %s", self.agent.name, agent, exc)
+        return False
 
     def _forget(self, agent: str) -> None:
         """A consumer agent reads nothing from here any more: drop it, and stop waiting for its acks."""
@@ -368,6 +382,8 @@ class Producer:
             book.drop_all()
         if self._server is not None:
             self._server.close()
+        if self.stager is not None:
+            self.stager.close()
         self.agent.close()
 
     def __enter__(self) -> Producer:

@@ -16,14 +16,15 @@ request is freed. The protocol, per (request, source rank):
   free          the slice goes back to the pool when the request is freed (every consumer has
                 notified, so no READ can still touch it)
 
-Threads: stage, release and close run on the producer's owner thread; ``respond`` runs on the
-handshake listener thread and only reads entries under a lock (and queries a CUDA event).
+Threads: stage, release and close run on the producer's owner thread, which replaces the
+directory (a dict of immutable entries) copy-on-write; ``respond`` runs on the handshake
+listener thread, reads whichever directory is current, never touches the NIXL agent, and waits
+at most PENDING_WAIT_S for a running gather (CUDA event queries) before answering PENDING.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,10 +37,12 @@ from hybrid_transfer.engine.gather_scatter import Arena, Copier, CopyTicket
 from hybrid_transfer.engine.staging import StagingPool, StagingSlice
 from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.plan.stage_layout import stage_layout
+from hybrid_transfer.plan.types import PlanMode
 
 log = logging.getLogger(__name__)
 
-PENDING_WAIT_S = 0.02  # how long the listener waits for a running gather before answering PENDING
+STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)  # the modes in which producers stage and consumers read staging
+PENDING_WAIT_S = 0.002  # how long the listener waits for a running gather before answering PENDING
 _PENDING_POLL_S = 0.0002
 
 
@@ -57,7 +60,7 @@ class StagerStats:
     malformed: int = 0
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True, eq=False)
 class _Entry:
     nonce: int
     piece: StagingSlice
@@ -78,8 +81,7 @@ class Stager:
         self._tensor_addrs = [r.addr for r in cache.regions]
         self._device_id = self.pool.region.device_id
         self._digest = digest
-        self._lock = threading.Lock()
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # never mutated: replaced whole (the listener reads it)
         self.stats = StagerStats()
 
     # ---- owner thread -------------------------------------------------------------------
@@ -99,27 +101,24 @@ class Stager:
         except BaseException:
             self.pool.free(piece)
             raise
-        with self._lock:
-            self._entries[request_id] = _Entry(nonce, piece, copy)
+        self._entries = {**self._entries, request_id: _Entry(nonce, piece, copy)}
         self.stats.staged += 1
         self.stats.bytes_staged += layout.total_bytes
         return True
 
     def release(self, request_id: str) -> None:
         """The request is freed: no consumer READ can touch its slice any more."""
-        with self._lock:
-            entry = self._entries.pop(request_id, None)
+        entry = self._entries.get(request_id)
         if entry is not None:
+            self._entries = {k: v for k, v in self._entries.items() if k != request_id}
             entry.copy.wait()  # the gather must not outlive the blocks it reads
             self.pool.free(entry.piece)
 
     def is_staged(self, request_id: str) -> bool:
-        with self._lock:
-            return request_id in self._entries
+        return request_id in self._entries
 
     def close(self) -> None:
-        with self._lock:
-            entries, self._entries = list(self._entries.values()), {}
+        entries, self._entries = list(self._entries.values()), {}
         for entry in entries:
             entry.copy.wait()
 
@@ -144,8 +143,7 @@ class Stager:
         return wire.encode(self._reply(query), self._digest)  # type: ignore[arg-type]
 
     def _reply(self, query: wire.StagingQuery) -> wire.StagingReply:
-        with self._lock:
-            entry = self._entries.get(query.request_id)
+        entry = self._entries.get(query.request_id)
         if entry is None or entry.nonce != query.nonce:
             self.stats.absent += 1
             return wire.StagingReply(request_id=query.request_id, status=wire.StagingStatus.ABSENT)

@@ -19,7 +19,7 @@ from hybrid_transfer.errors import ConfigError, PlanError
 ALIGN_BYTES = 512  # slice starts: every row width and element type of gather_scatter fits
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StagingSlice:
     """``nbytes`` of the pool at ``offset``; ``tensor`` is the flat uint8 view of exactly those bytes."""
 
@@ -43,7 +43,7 @@ class StagingPool:
         self.tensor = torch.empty(capacity_bytes, dtype=torch.uint8, device=device)
         self.device = self.tensor.device
         self._free: list[tuple[int, int]] = [(0, capacity_bytes)]  # (offset, nbytes), sorted, never adjacent
-        self._used: dict[int, int] = {}  # offset -> nbytes of live slices
+        self._used: dict[int, tuple[int, StagingSlice]] = {}  # offset -> (aligned size, the live slice)
 
     @property
     def region(self) -> Region:
@@ -54,7 +54,7 @@ class StagingPool:
 
     @property
     def bytes_in_use(self) -> int:
-        return sum(self._used.values())
+        return sum(size for size, _ in self._used.values())
 
     @property
     def num_slices(self) -> int:
@@ -71,8 +71,9 @@ class StagingPool:
                     del self._free[i]
                 else:
                     self._free[i] = (off + size, free - size)
-                self._used[off] = size
-                return StagingSlice(off, nbytes, self.tensor[off : off + nbytes])
+                piece = StagingSlice(off, nbytes, self.tensor[off : off + nbytes])
+                self._used[off] = (size, piece)
+                return piece
         return None
 
     def free(self, piece: StagingSlice) -> None:
@@ -81,9 +82,10 @@ class StagingPool:
         Raises:
             PlanError: the slice is not live in this pool (a double free).
         """
-        size = self._used.pop(piece.offset, None)
-        if size is None:
+        used = self._used.get(piece.offset)
+        if used is None or used[1] is not piece:
             raise PlanError(f"staging slice at offset {piece.offset} is not allocated", offset=piece.offset)
+        size = self._used.pop(piece.offset)[0]
         off = piece.offset
         i = bisect.bisect_left(self._free, (off, 0))
         if i < len(self._free) and off + size == self._free[i][0]:

@@ -11,6 +11,7 @@ Version log:
   2: lifecycle under faults (issue 5): CompletionKind ABORTED and FAILED; Heartbeat (lease renewal),
      Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists revoked
      tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer agent closes).
+  2: pack mode (issue 6): StagingQuery / StagingReply, side channel only (defined at the end).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -44,6 +45,8 @@ class Kind(enum.IntEnum):
     REVOKE = 8
     REVOKE_ACK = 9
     BYE = 10
+    STAGING_QUERY = 20  # pack mode (issue 6); numbered apart so other additions never collide
+    STAGING_REPLY = 21
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -265,3 +268,38 @@ def decode_ticket(data: bytes) -> Ticket:
         raise WireDecodeError(f"ticket of protocol version {ticket.version}, this side speaks {PROTOCOL_VERSION}",
                               version=ticket.version, kind="ticket")
     return ticket
+
+
+# ---- pack mode (issue 6): where a producer rank staged a request (engine/stager.py) ---------------
+# Asked and answered over the side channel, not NIXL notifications: the answer comes from the
+# listener thread at once instead of at the producer owner's next poll(), which would put an
+# engine step on the consumer's critical path. The listener reads an immutable directory only.
+class StagingQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staging_query"):
+    """A consumer rank asks a producer rank where it staged a request (pack mode)."""
+
+    request_id: str
+    nonce: int
+    consumer_rank: int
+
+
+class StagingStatus(enum.IntEnum):
+    READY = 1  # gathered: read ``nbytes`` at ``addr`` (the consumer's ranges lie inside)
+    PENDING = 2  # the gather still runs: ask again
+    ABSENT = 3  # nothing staged (pool full, pack off, unknown request or nonce): read directly
+
+
+class StagingReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staging_reply"):
+    """A producer rank's answer to a StagingQuery."""
+
+    request_id: str
+    status: StagingStatus
+    addr: int = 0
+    nbytes: int = 0
+    device_id: int = 0
+    gather_s: float = 0.0  # the gather's own time, measured on the producer
+
+
+_BODY_OF_KIND[Kind.STAGING_QUERY] = StagingQuery
+_BODY_OF_KIND[Kind.STAGING_REPLY] = StagingReply
+_BODY_DECODERS[Kind.STAGING_QUERY] = msgspec.msgpack.Decoder(StagingQuery)
+_BODY_DECODERS[Kind.STAGING_REPLY] = msgspec.msgpack.Decoder(StagingReply)

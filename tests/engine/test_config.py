@@ -27,8 +27,8 @@ def test_defaults_are_valid_loopback_with_explicit_progress():
     ("lease_s", float("nan")),
     ("progress_delay_us", -5),
     ("num_backend_threads", -1),
-    ("mode", PlanMode.PACK),
-    ("mode", PlanMode.AUTO),
+    ("staging_bytes", -1),
+    ("staging_bytes", 1.5),
 ])
 def test_a_bad_field_is_named_with_its_value(field, value):
     with pytest.raises(ConfigError) as info:
@@ -44,3 +44,17 @@ def test_config_is_frozen_and_refuses_unknown_fields():
         msgspec.convert({"lease_s": 5.0, "leese_s": 1.0}, EngineConfig)
     assert msgspec.convert({"progress": "on", "progress_delay_us": 100}, EngineConfig).progress is (
         ProgressPolicy.ON_WITH_DELAY)
+
+
+@pytest.mark.parametrize("mode", [PlanMode.PACK, PlanMode.AUTO])
+def test_pack_and_auto_are_executable_and_need_a_staging_pool(mode):
+    from hybrid_transfer.engine.config import CostParams
+
+    assert EngineConfig(mode=mode).validate().staging_bytes > 0
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(mode=mode, staging_bytes=0).validate()
+    assert info.value.field == "staging_bytes"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(mode=mode, cost=CostParams(per_byte_s=-1.0)).validate()
+    assert info.value.field == "cost.per_byte_s"
+    assert EngineConfig(staging_bytes=0).validate().mode is PlanMode.COALESCED  # no pool without pack

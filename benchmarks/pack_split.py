@@ -1,0 +1,256 @@
+"""Where pack mode's time goes for one fragmented request: the producer's gather, the READ, the scatter.
+
+qwen3.5-397b-a17b (default), 8192 tokens, fragmented block ids on both sides, one process per rank
+(P producer ranks, D decode ranks; cuda: every rank on GPU 0). Each decode process hosts two
+consumers over one cache: one in pack mode, one in coalesced mode (direct reads, the comparison).
+Each run holds the request afresh (so the producers gather it again, at hold time), reads it on
+every decode rank, and waits until every producer rank freed it. Per run the slowest decode rank
+counts (the request is ready when all are); printed are medians over the runs:
+
+  gather   the producer ranks' gather at hold() (ReadResult.gather_s: off the critical path)
+  read     post of the staging query until the READ is DONE (query round trip included)
+  scatter  the scatter into the local blocks
+  total    post until the scatter finished (what the consumer reports), and direct mode's total
+
+Run: python benchmarks/pack_split.py --device cuda            (P2 -> D8, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y set here)
+     python benchmarks/pack_split.py --device cpu --prefill-tp 1 --decode-tp 1 --no-verify
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import time
+import uuid
+
+POLL_S = 0.0002
+
+
+def _geometry(preset: str, tp_size: int, tp_rank: int):
+    from hybrid_transfer.layout import RankGeometry, load_preset
+
+    return RankGeometry(load_preset(preset), tp_size, tp_rank)
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, engine_id: str, incarnation: int):
+    """One rank's process: builds its engine(s), then serves commands while polling them."""
+    import torch
+
+    from hybrid_transfer.cache import HybridCache
+    from hybrid_transfer.engine import Consumer, EngineConfig, Producer, decode_ticket, encode_ticket
+    from hybrid_transfer.plan.stage_layout import stage_layout
+    from hybrid_transfer.plan.types import PlanMode
+    from hybrid_transfer.verify import check_destination, fill_source, poison
+
+    torch.set_num_threads(1)
+    geometry = _geometry(args.preset, tp_size, rank)
+    cache = HybridCache.allocate(geometry, args.num_blocks_p if is_producer else args.num_blocks_d, args.device)
+    engines: dict[str, object] = {}
+    if is_producer:
+        staged = stage_layout(geometry, [r.addr for r in cache.regions], layout.block_ids, args.tokens).total_bytes
+        config = EngineConfig(mode=PlanMode.PACK, staging_bytes=2 * staged + (1 << 20))
+        if args.verify:
+            fill_source(cache, layout, seed=1)
+        else:
+            for t in cache.tensors:
+                t.random_(0, 256)
+        _sync(args.device)
+        engines["p"] = Producer(cache, config, engine_id=engine_id, incarnation=incarnation)
+        conn.send(engines["p"].address)
+    else:
+        poison(cache)
+        _sync(args.device)
+        read_bytes = geometry.state_bytes_per_request + args.tokens * geometry.kv_bytes_per_token * len(
+            geometry.model.attention_layers)
+        engines["pack"] = Consumer(cache, EngineConfig(mode=PlanMode.PACK, staging_bytes=read_bytes + (8 << 20)),
+                                   engine_id=engine_id)
+        engines["direct"] = Consumer(cache, EngineConfig(mode=PlanMode.COALESCED), engine_id=engine_id)
+        conn.send(None)
+    results: dict[str, object] = {}
+    freed: set[str] = set()
+
+    def poll() -> None:
+        for name, engine in engines.items():
+            if name == "p":
+                freed.update(engine.poll())
+            else:
+                for r in engine.poll():
+                    results[r.request_id] = r
+
+    while True:
+        if not conn.poll(0.001):
+            poll()
+            continue
+        op, payload = conn.recv()
+        if op == "stop":
+            break
+        if op == "addresses":
+            engines["p"].set_engine_addresses(payload)
+            conn.send(None)
+        elif op == "hold":
+            request_id, nonce = payload
+            ticket = engines["p"].hold(request_id, layout.block_ids, args.tokens, nonce=nonce)
+            conn.send(encode_ticket(ticket))
+        elif op == "wait_freed":
+            while payload not in freed:
+                poll()
+                time.sleep(POLL_S)
+            conn.send(None)
+        elif op == "read":
+            mode, ticket_bytes = payload
+            ticket = decode_ticket(ticket_bytes)
+            engines[mode].start_read(ticket, layout.block_ids)
+            while ticket.request_id not in results:
+                poll()
+                time.sleep(POLL_S)
+            r = results.pop(ticket.request_id)
+            if not r.ok:
+                conn.send({"error": f"{type(r.error).__name__}: {r.error}"})
+                continue
+            conn.send({"gather_s": r.gather_s, "read_s": r.read_s, "scatter_s": r.scatter_s,
+                       "total_s": r.finished_at - r.posted_at, "descriptors": r.num_descriptors,
+                       "bytes": r.num_bytes, "packed": r.num_packed_sources, "fallbacks": r.num_fallback_sources})
+        elif op == "check":
+            check_destination(cache, layout, seed=1)
+            conn.send(True)
+    for engine in engines.values():
+        engine.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--preset", default="qwen3.5-397b-a17b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--prefill-tp", type=int, default=2)
+    parser.add_argument("--decode-tp", type=int, default=8)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
+                        help="fill with the oracle pattern and check the first pack read bitwise")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    from hybrid_transfer.verify import make_request
+
+    p_geo, d_geo = _geometry(args.preset, args.prefill_tp, 0), _geometry(args.preset, args.decode_tp, 0)
+
+    def needed(g) -> int:
+        return sum(g.num_blocks_for_tokens(args.tokens) if k.kind.name == "ATTENTION" else 1
+                   for k in g.tensor_map.groups)
+
+    args.num_blocks_p, args.num_blocks_d = 2 * needed(p_geo) + 2, 2 * needed(d_geo) + 2
+    p_layout = make_request(p_geo, args.tokens, args.num_blocks_p, rng=1, fragmentation=1.0)
+    d_layout = make_request(d_geo, args.tokens, args.num_blocks_d, rng=2, fragmentation=1.0)
+    ctx = mp.get_context("spawn")
+    engine_p, engine_d = f"prefill-{uuid.uuid4().hex[:6]}", f"decode-{uuid.uuid4().hex[:6]}"
+    incarnation = int.from_bytes(os.urandom(6), "little")
+    procs, p_conns, d_conns = [], [], []
+    for is_producer, tp, conns, layout, eid in ((True, args.prefill_tp, p_conns, p_layout, engine_p),
+                                                (False, args.decode_tp, d_conns, d_layout, engine_d)):
+        for rank in range(tp):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(child, args, is_producer, tp, rank, layout, eid, incarnation),
+                               daemon=True)
+            proc.start()
+            procs.append(proc)
+            conns.append(parent)
+    try:
+        addresses = [c.recv() for c in p_conns]
+        for c in d_conns:
+            c.recv()
+        if args.prefill_tp > 1:
+            for c in p_conns:
+                c.send(("addresses", addresses))
+                c.recv()
+        runs: dict[str, list[dict]] = {"pack": [], "direct": []}
+        for i in range(args.runs + 1):  # run 0 warms up handshakes, UCX wire-up and caches
+            for mode in ("pack", "direct"):
+                rid = f"{mode}-{i}"
+                p_conns[0].send(("hold", (rid, None)))
+                ticket = p_conns[0].recv()
+                nonce = _nonce(ticket)
+                for c in p_conns[1:]:
+                    c.send(("hold", (rid, nonce)))
+                    c.recv()
+                for c in d_conns:
+                    c.send(("read", (mode, ticket)))
+                per_rank = [c.recv() for c in d_conns]
+                errors = [r["error"] for r in per_rank if "error" in r]
+                if errors:
+                    raise SystemExit(f"{mode} read failed: {errors[0]}")
+                for c in p_conns:
+                    c.send(("wait_freed", rid))
+                    c.recv()
+                if i == 0 and mode == "pack" and args.verify:
+                    for c in d_conns:
+                        c.send(("check", None))
+                        c.recv()
+                if i > 0:
+                    runs[mode].append({k: max(r[k] for r in per_rank) for k in per_rank[0]})
+        report = _report(args, runs)
+    finally:
+        for c in p_conns + d_conns:
+            try:
+                c.send(("stop", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print(report)
+    return 0
+
+
+def _nonce(ticket_bytes: bytes) -> int:
+    from hybrid_transfer.engine import decode_ticket
+
+    return decode_ticket(ticket_bytes).nonce
+
+
+def _report(args, runs: dict[str, list[dict]]) -> dict:
+    def med(mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[mode])
+
+    pack, direct = runs["pack"], runs["direct"]
+    return {
+        "preset": args.preset, "tokens": args.tokens, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
+        "device": args.device, "runs": args.runs, "verified": args.verify,
+        "bytes_per_decode_rank": pack[0]["bytes"],
+        "pack": {"descriptors": pack[0]["descriptors"], "fallbacks": max(r["fallbacks"] for r in pack),
+                 "gather_ms": 1e3 * med("pack", "gather_s"), "read_ms": 1e3 * med("pack", "read_s"),
+                 "scatter_ms": 1e3 * med("pack", "scatter_s"), "total_ms": 1e3 * med("pack", "total_s")},
+        "direct": {"descriptors": direct[0]["descriptors"], "read_ms": 1e3 * med("direct", "read_s"),
+                   "total_ms": 1e3 * med("direct", "total_s")},
+    }
+
+
+def _print(r: dict) -> None:
+    p, d = r["pack"], r["direct"]
+    print(f"{r['preset']}, {r['tokens']} tokens, P{r['prefill_tp']} -> D{r['decode_tp']}, fragmented, "
+          f"{r['device']}, {r['runs']} runs (median over runs of the slowest decode rank)"
+          f"{', verified bitwise' if r['verified'] else ''}")
+    print(f"  bytes per decode rank  {r['bytes_per_decode_rank']:,}")
+    print(f"  pack    {p['descriptors']:>4} descriptors  gather {p['gather_ms']:8.3f} ms (producer, at hold)"
+          f"  read {p['read_ms']:8.3f} ms  scatter {p['scatter_ms']:8.3f} ms  post->done {p['total_ms']:8.3f} ms"
+          f"  fallbacks {p['fallbacks']}")
+    print(f"  direct  {d['descriptors']:>4} descriptors  read {d['read_ms']:8.3f} ms  post->done {d['total_ms']:8.3f} ms")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

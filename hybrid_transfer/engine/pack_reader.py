@@ -1,0 +1,301 @@
+"""Pack mode on the consumer: per source, ask where the request is staged, read it, scatter it.
+
+The producer side and the protocol are in stager.py. Here, per (request, source) whose coalesced
+rows go through staging (every source in pack mode; in auto mode those the cost model prefers):
+
+  QUERYING    a StagingQuery went to the source rank's side channel
+  READING     READY came back: the rows are mapped onto the source's canonical layout
+              (plan/stage_layout.py), a slice of this rank's pool is taken and one READ of at
+              most two ranges is posted into it
+  SCATTERING  the READ is DONE: one index kernel copies the slice into the local blocks
+  DONE        the scatter has finished (CUDA: its event completed)
+  DIRECT      fallback: the source's coalesced rows went out as one direct READ, because the
+              source staged nothing (ABSENT, ErrorReply from a producer without pack), this
+              rank's pool had no room (fallback, never a wait: see config.py), or the source's
+              staged size or layout disagreed with ours (a bug, logged as a warning)
+
+Every fallback is counted (PackStats, ReadResult.num_fallback_sources). The consumer notifies
+only once every source is DONE or DIRECT with its READ done, so completion follows the scatter.
+Slices are freed in ``forget``, once the request is terminal (no handle can write them), after
+waiting for any scatter still queued. Owned by the consumer's owner thread; it also keeps the
+timings every request reports (post, READs done, gather and scatter times).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from hybrid_transfer.cache import HybridCache
+from hybrid_transfer.engine import wire
+from hybrid_transfer.engine.agent import NixlAgent, XferHandle
+from hybrid_transfer.engine.calibrate import calibrate, cost_model
+from hybrid_transfer.engine.config import CostParams, EngineConfig
+from hybrid_transfer.engine.gather_scatter import Arena, Copier, CopyTicket
+from hybrid_transfer.engine.side_channel import HandshakeClient
+from hybrid_transfer.engine.stager import STAGING_MODES
+from hybrid_transfer.engine.staging import StagingPool, StagingSlice
+from hybrid_transfer.engine.state import XferState
+from hybrid_transfer.errors import EngineError, HybridTransferError, PlanError, WireDecodeError
+from hybrid_transfer.plan.stage_layout import StagedRead, map_rows, stage_layout
+from hybrid_transfer.plan.types import PlanMode, SourcePlan
+
+log = logging.getLogger(__name__)
+
+
+class SourceStep(enum.Enum):
+    QUERYING = "querying"
+    READING = "reading"
+    SCATTERING = "scattering"
+    DONE = "done"
+    DIRECT = "direct"
+
+
+@dataclass
+class PackStats:
+    packed_sources: int = 0
+    fallback_absent: int = 0  # the source staged nothing (its pool was full, or it does not stage)
+    fallback_pool_full: int = 0  # this rank's pool had no room for the read
+    fallback_mismatch: int = 0  # the source's staged size or layout disagreed with ours
+    queries_sent: int = 0
+    pending_replies: int = 0  # the source's gather was still running: asked again
+    stray_replies: int = 0  # for requests no longer tracked
+
+
+@dataclass(eq=False)
+class _Source:
+    plan: SourcePlan
+    address: str
+    peer: str
+    geometry: Any  # the source's RankGeometry
+    tensor_addrs: tuple[int, ...]
+    step: SourceStep = SourceStep.QUERYING
+    piece: StagingSlice | None = None
+    read: StagedRead | None = None
+    handle: XferHandle | None = None
+    copy: CopyTicket | None = None
+    gather_s: float = 0.0
+
+
+@dataclass(eq=False)
+class _Track:
+    req: Any  # state.ReadRequest
+    posted_at: float
+    sources: dict[int, _Source] = field(default_factory=dict)
+    read_done_at: float | None = None
+    scatter_s: float = 0.0
+    fallbacks: int = 0
+    error: HybridTransferError | None = None
+
+
+class PackReader:
+    """A consumer rank's pack reads, staging pool and per-request timings."""
+
+    def __init__(self, agent: NixlAgent, cache: HybridCache, config: EngineConfig, digest: str):
+        self._agent = agent
+        self._rank = cache.geometry.tp_rank
+        self._config = config
+        self._digest = digest
+        self.enabled = config.mode in STAGING_MODES
+        self.stats = PackStats()
+        self.cost = cost_model(config.cost or CostParams())
+        self.pool: StagingPool | None = None
+        self._tracks: dict[str, _Track] = {}
+        self._asked: dict[str, collections.deque] = {}  # address -> (request id, source rank), in send order
+        self._client: HandshakeClient | None = None
+        if not self.enabled:
+            return
+        self.pool = StagingPool(config.staging_bytes, cache.device)
+        agent.register_more([self.pool.region])
+        self._device_id = self.pool.region.device_id
+        self._copier = Copier(Arena(cache.tensors))
+        self._client = HandshakeClient()
+        if config.mode is PlanMode.AUTO and config.cost is None and config.calibrate:
+            self.cost = cost_model(calibrate(agent, self.pool, self._copier))
+
+    @property
+    def plan_mode(self) -> PlanMode:
+        """The planner mode to ask for: coalesced rows are what both pack and direct reads start from."""
+        return PlanMode.COALESCED if self.enabled else self._config.mode
+
+    # ---- posting --------------------------------------------------------------------
+    def on_post(self, req: Any, now: float) -> None:
+        self._tracks[req.request_id] = _Track(req, now)
+
+    def takes(self, req: Any, src: Any, link: Any) -> bool:
+        """Take ``src`` through staging (True) or leave it to the consumer's direct READ (False)."""
+        if not self.enabled or not isinstance(src, SourcePlan) or src.num_descriptors == 0:
+            return False
+        if self._config.mode is PlanMode.AUTO and \
+                self.cost.choose(src.num_descriptors, src.total_bytes) is not PlanMode.PACK:
+            return False
+        tpl = next(t for t in link.planner.templates if t.source_rank == src.source_rank)
+        source = _Source(src, req.ticket.addresses[src.source_rank], link.agents[src.source_rank], tpl.geometry,
+                         tuple(int(a) for a in tpl.tensor_addrs))
+        self._tracks[req.request_id].sources[src.source_rank] = source
+        self._ask(req, source)
+        return True
+
+    def _ask(self, req: Any, source: _Source) -> None:
+        t = req.ticket
+        query = wire.StagingQuery(request_id=t.request_id, nonce=t.nonce, consumer_rank=self._rank)
+        self._client.send(source.address, wire.encode(query, self._digest))
+        self._asked.setdefault(source.address, collections.deque()).append((t.request_id, source.plan.source_rank))
+        self.stats.queries_sent += 1
+
+    # ---- replies ----------------------------------------------------------------------
+    def receive(self) -> None:
+        """Take in every staging reply that has arrived and act on it (post a READ, or fall back)."""
+        if self._client is None:
+            return
+        for address, data in self._client.receive(0):
+            asked = self._asked.get(address)
+            try:
+                body = wire.decode(data)[1]
+            except WireDecodeError:
+                body = None
+            key = None
+            if asked:
+                if isinstance(body, wire.StagingReply):
+                    key = next((k for k in asked if k[0] == body.request_id), None)
+                    if key is not None:
+                        asked.remove(key)
+                else:  # an ErrorReply names no request: replies come back in the order asked
+                    key = asked.popleft()
+            track = self._tracks.get(key[0]) if key else None
+            source = track.sources.get(key[1]) if track else None
+            if source is None or source.step is not SourceStep.QUERYING:
+                self.stats.stray_replies += 1
+                continue
+            self._on_reply(track, source, body)
+
+    def _on_reply(self, track: _Track, source: _Source, body: Any) -> None:
+        status = body.status if isinstance(body, wire.StagingReply) else None
+        if status is wire.StagingStatus.PENDING:
+            self.stats.pending_replies += 1
+            self._ask(track.req, source)
+        elif status is wire.StagingStatus.READY:
+            self._post_staged(track, source, body)
+        else:
+            if isinstance(body, wire.ErrorReply):
+                log.info("source %s cannot stage: %s", source.address, body.reason)
+            self._fallback(track, source, "fallback_absent")
+
+    def _post_staged(self, track: _Track, source: _Source, reply: wire.StagingReply) -> None:
+        t = track.req.ticket
+        try:
+            layout = stage_layout(source.geometry, source.tensor_addrs, t.block_ids, t.num_tokens)
+            if layout.total_bytes != reply.nbytes:
+                raise PlanError(f"source staged {reply.nbytes} B, its layout has {layout.total_bytes} B",
+                                staged=reply.nbytes, expected=layout.total_bytes)
+            read = map_rows(layout, source.plan.local_addr, source.plan.remote_addr, source.plan.length)
+        except PlanError as exc:
+            log.warning("request %r, source %s: %s; reading it directly", t.request_id, source.address, exc)
+            self._fallback(track, source, "fallback_mismatch")
+            return
+        piece = self.pool.try_alloc(read.total_bytes)
+        if piece is None:
+            self._fallback(track, source, "fallback_pool_full")
+            return
+        n = read.num_ranges
+        local = np.stack([piece.addr + read.local_offset, read.length, np.full(n, self._device_id)], axis=1)
+        remote = np.stack([reply.addr + read.remote_offset, read.length, np.full(n, reply.device_id)], axis=1)
+        try:
+            handle = self._agent.post_read(source.peer, local, remote)
+        except EngineError as exc:
+            self.pool.free(piece)
+            track.error = track.error or exc
+            return
+        source.piece, source.read, source.handle, source.gather_s = piece, read, handle, reply.gather_s
+        source.step = SourceStep.READING
+        self.stats.packed_sources += 1
+        _add_handle(track.req, handle)
+
+    def _fallback(self, track: _Track, source: _Source, counter: str) -> None:
+        setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        track.fallbacks += 1
+        source.step = SourceStep.DIRECT
+        try:
+            handle = self._agent.post_read(source.peer, source.plan.local_descs(), source.plan.remote_descs())
+        except EngineError as exc:
+            track.error = track.error or exc
+            return
+        _add_handle(track.req, handle)
+
+    # ---- progress ---------------------------------------------------------------------
+    def advance(self, req: Any, now: float) -> HybridTransferError | None:
+        """Scatter sources whose READ is done, retire finished scatters; the error that fails the request, if any."""
+        track = self._tracks.get(req.request_id)
+        if track is None:
+            return None
+        if track.error is not None:
+            return track.error
+        for source in track.sources.values():
+            if source.step is SourceStep.READING and self._agent.check(source.handle) is XferState.DONE:
+                read = source.read
+                try:
+                    source.copy = self._copier.scatter(source.piece.tensor, read.scatter_dst, read.scatter_length)
+                except HybridTransferError as exc:
+                    track.error = exc
+                    return exc
+                source.step = SourceStep.SCATTERING
+            if source.step is SourceStep.SCATTERING and source.copy.is_done:
+                track.scatter_s += source.copy.elapsed_s
+                source.step = SourceStep.DONE
+        if track.read_done_at is None and all(s.step is not SourceStep.QUERYING for s in track.sources.values()) \
+                and all(self._agent.check(h) is XferState.DONE for h in req.handles):
+            track.read_done_at = now
+        return None
+
+    def is_settled(self, req: Any) -> bool:
+        """True when every staged source's bytes sit in their final place (direct ones are the consumer's)."""
+        track = self._tracks.get(req.request_id)
+        return track is None or all(s.step in (SourceStep.DONE, SourceStep.DIRECT) for s in track.sources.values())
+
+    def result_fields(self, request_id: str) -> dict:
+        """ReadResult's timing and pack fields of a request (zeros when it was never posted)."""
+        track = self._tracks.get(request_id)
+        if track is None:
+            return {}
+        done = track.read_done_at
+        return {
+            "posted_at": track.posted_at,
+            "gather_s": max((s.gather_s for s in track.sources.values()), default=0.0),
+            "read_s": (done - track.posted_at) if done is not None else 0.0,
+            "scatter_s": track.scatter_s,
+            "num_packed_sources": sum(s.read is not None for s in track.sources.values()),
+            "num_fallback_sources": track.fallbacks,
+        }
+
+    def forget(self, request_id: str) -> None:
+        """The request is terminal (no handle can write its slices): wait for its scatters, free its slices."""
+        track = self._tracks.pop(request_id, None)
+        if track is None:
+            return
+        for source in track.sources.values():
+            if source.copy is not None:
+                source.copy.wait()
+            if source.piece is not None:
+                self.pool.free(source.piece)
+                source.piece = None
+
+    def close(self) -> None:
+        for track in self._tracks.values():
+            for source in track.sources.values():
+                if source.copy is not None:
+                    source.copy.wait()
+        self._tracks.clear()
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def _add_handle(req: Any, handle: XferHandle) -> None:
+    req.handles.append(handle)
+    req.num_bytes += handle.num_bytes
+    req.num_descriptors += handle.num_descriptors
