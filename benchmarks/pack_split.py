@@ -3,12 +3,14 @@
 qwen3.5-397b-a17b (default), 8192 tokens, fragmented block ids on both sides, one process per rank
 (P producer ranks, D decode ranks; cuda: every rank on GPU 0). Each decode process hosts two
 consumers over one cache: one in pack mode, one in coalesced mode (direct reads, the comparison).
-Each run holds the request afresh (so the producers gather it again, at hold time), reads it on
-every decode rank, and waits until every producer rank freed it. Per run the slowest decode rank
-counts (the request is ready when all are); printed are medians over the runs:
+Each run holds the request afresh (so the producers gather it again, at hold time), waits for
+that gather to finish (``--gather-on-path``: does not, so a consumer that asks at once waits for
+it inside its read), reads it on every decode rank, and waits until every producer rank freed it.
+Per run the slowest decode rank counts (the request is ready when all are); printed are medians:
 
   gather   the producer ranks' gather at hold() (ReadResult.gather_s: off the critical path)
-  read     post of the staging query until the READ is DONE (query round trip included)
+  query    the staging query's round trip over the side channel (ReadResult.query_s)
+  read     post of the staging query until the READ is DONE (the query included)
   scatter  the scatter into the local blocks
   total    post until the scatter finished (what the consumer reports), and direct mode's total
 
@@ -101,6 +103,9 @@ def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, e
             request_id, nonce = payload
             ticket = engines["p"].hold(request_id, layout.block_ids, args.tokens, nonce=nonce)
             conn.send(encode_ticket(ticket))
+        elif op == "wait_staged":
+            engines["p"].stager.wait_staged(payload)
+            conn.send(None)
         elif op == "wait_freed":
             while payload not in freed:
                 poll()
@@ -117,7 +122,7 @@ def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, e
             if not r.ok:
                 conn.send({"error": f"{type(r.error).__name__}: {r.error}"})
                 continue
-            conn.send({"gather_s": r.gather_s, "read_s": r.read_s, "scatter_s": r.scatter_s,
+            conn.send({"gather_s": r.gather_s, "query_s": r.query_s, "read_s": r.read_s, "scatter_s": r.scatter_s,
                        "total_s": r.finished_at - r.posted_at, "descriptors": r.num_descriptors,
                        "bytes": r.num_bytes, "packed": r.num_packed_sources, "fallbacks": r.num_fallback_sources})
         elif op == "check":
@@ -138,6 +143,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                         help="fill with the oracle pattern and check the first pack read bitwise")
+    parser.add_argument("--gather-on-path", action="store_true",
+                        help="start the reads right after hold(), without waiting for the producers' gather")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -184,6 +191,10 @@ def main() -> int:
                 for c in p_conns[1:]:
                     c.send(("hold", (rid, nonce)))
                     c.recv()
+                if not args.gather_on_path:
+                    for c in p_conns:
+                        c.send(("wait_staged", rid))
+                        c.recv()
                 for c in d_conns:
                     c.send(("read", (mode, ticket)))
                 per_rank = [c.recv() for c in d_conns]
@@ -230,10 +241,11 @@ def _report(args, runs: dict[str, list[dict]]) -> dict:
     pack, direct = runs["pack"], runs["direct"]
     return {
         "preset": args.preset, "tokens": args.tokens, "prefill_tp": args.prefill_tp, "decode_tp": args.decode_tp,
-        "device": args.device, "runs": args.runs, "verified": args.verify,
+        "device": args.device, "runs": args.runs, "verified": args.verify, "gather_on_path": args.gather_on_path,
         "bytes_per_decode_rank": pack[0]["bytes"],
         "pack": {"descriptors": pack[0]["descriptors"], "fallbacks": max(r["fallbacks"] for r in pack),
-                 "gather_ms": 1e3 * med("pack", "gather_s"), "read_ms": 1e3 * med("pack", "read_s"),
+                 "gather_ms": 1e3 * med("pack", "gather_s"), "query_ms": 1e3 * med("pack", "query_s"),
+                 "read_ms": 1e3 * med("pack", "read_s"),
                  "scatter_ms": 1e3 * med("pack", "scatter_s"), "total_ms": 1e3 * med("pack", "total_s")},
         "direct": {"descriptors": direct[0]["descriptors"], "read_ms": 1e3 * med("direct", "read_s"),
                    "total_ms": 1e3 * med("direct", "total_s")},
@@ -244,11 +256,12 @@ def _print(r: dict) -> None:
     p, d = r["pack"], r["direct"]
     print(f"{r['preset']}, {r['tokens']} tokens, P{r['prefill_tp']} -> D{r['decode_tp']}, fragmented, "
           f"{r['device']}, {r['runs']} runs (median over runs of the slowest decode rank)"
-          f"{', verified bitwise' if r['verified'] else ''}")
+          f"{', verified bitwise' if r['verified'] else ''}"
+          f"{', reads start before the gather ends' if r['gather_on_path'] else ''}")
     print(f"  bytes per decode rank  {r['bytes_per_decode_rank']:,}")
     print(f"  pack    {p['descriptors']:>4} descriptors  gather {p['gather_ms']:8.3f} ms (producer, at hold)"
-          f"  read {p['read_ms']:8.3f} ms  scatter {p['scatter_ms']:8.3f} ms  post->done {p['total_ms']:8.3f} ms"
-          f"  fallbacks {p['fallbacks']}")
+          f"  read {p['read_ms']:8.3f} ms (query {p['query_ms']:.3f})  scatter {p['scatter_ms']:8.3f} ms"
+          f"  post->done {p['total_ms']:8.3f} ms  fallbacks {p['fallbacks']}")
     print(f"  direct  {d['descriptors']:>4} descriptors  read {d['read_ms']:8.3f} ms  post->done {d['total_ms']:8.3f} ms")
 
 

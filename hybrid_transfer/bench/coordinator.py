@@ -1,6 +1,7 @@
 """The benchmark's parent process: spawn one process per rank, drive every phase, gather the timings.
 
-Per point (one request shape), per variant (chosen mode, naive, ceiling):
+Per point (one request shape), per round, per variant (chosen mode, naive, ceiling; the order rotates
+each round and every figure comes from the variant's median-GB/s round):
   open    decode ranks build a Consumer in the variant's mode and handshake (engine variants)
   warmup  ``--warmup`` requests through the same path (first READs wire up UCX connections)
   poison  decode caches and ceiling buffers back to 0xA5 (with --verify)
@@ -25,7 +26,14 @@ from typing import Any
 
 from hybrid_transfer.bench import sizing
 from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Variant
-from hybrid_transfer.bench.stats import ConsumerRun, PlanTiming, ProducerServe, VariantStats, summarize
+from hybrid_transfer.bench.stats import (
+    ConsumerRun,
+    PlanTiming,
+    ProducerServe,
+    VariantStats,
+    median_round,
+    summarize,
+)
 from hybrid_transfer.bench.worker import STOP, EngineItem, RankSetup, worker_main
 from hybrid_transfer.errors import BenchError, ConfigError, UnsupportedError
 
@@ -34,6 +42,9 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 1800.0  # one command (a verify of a large cache on CPU takes minutes, not hours)
 HANDSHAKE_TIMEOUT_S = 60.0
 START_DELAY_S = 0.05  # decode ranks start together this long after the coordinator sends "run"
+# When rank processes outnumber cores (10 ranks on a 2-core CI host), spinning decode ranks would starve the
+# ones copying; they sleep this long between empty polls instead. With a core each, they spin.
+CONTENDED_POLL_SLEEP_S = 50e-6
 MEMORY_HEADROOM = 0.85  # refuse a CPU run whose estimate exceeds this share of MemAvailable
 CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
@@ -156,8 +167,8 @@ class Coordinator:
         s = self.spec
         per_engine = 4 + (1 if s.verify else 0)  # open, warmup, timed, plan (+ verify)
         per_ceiling = 2 + (1 if s.verify else 0)
-        per_point = (1 if s.verify else 0) + sum(per_ceiling if v is Variant.CEILING else per_engine
-                                                 for v in s.variants)
+        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v is Variant.CEILING else per_engine
+                                                            for v in s.variants)
         return 2 + per_point * len(s.points)
 
     def run(self) -> BenchResult:
@@ -195,17 +206,21 @@ class Coordinator:
         ctx = mp.get_context("spawn")
         self.producers = [RankProcess(ctx, f"prefill {r}") for r in range(s.prefill_tp)]
         self.consumers = [RankProcess(ctx, f"decode {r}") for r in range(s.decode_tp)]
-        threads = max(1, (os.cpu_count() or 1) // (s.prefill_tp + s.decode_tp))
+        cores, num_ranks = os.cpu_count() or 1, s.prefill_tp + s.decode_tp
+        threads = max(1, cores // num_ranks)
+        poll_sleep_s = 0.0 if cores > num_ranks else CONTENDED_POLL_SLEEP_S
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         prefill_id, decode_id = f"prefill-{secrets.token_hex(3)}", f"decode-{secrets.token_hex(3)}"
         incarnation = secrets.randbits(62)
         p_blocks, d_blocks = sizing.pool_blocks(s, True), sizing.pool_blocks(s, False)
         for r, p in enumerate(self.producers):
             p.send("setup", RankSetup(s.preset, s.kv_dtype, True, s.prefill_tp, r, p_blocks, s.device.value,
-                                      s.gpu_of(True, r), threads, prefill_id, incarnation, s.mode.value, level))
+                                      s.gpu_of(True, r), threads, prefill_id, incarnation, s.mode.value, level,
+                                      poll_sleep_s))
         for r, c in enumerate(self.consumers):
             c.send("setup", RankSetup(s.preset, s.kv_dtype, False, s.decode_tp, r, d_blocks, s.device.value,
-                                      s.gpu_of(False, r), threads, decode_id, 0, s.mode.value, level))
+                                      s.gpu_of(False, r), threads, decode_id, 0, s.mode.value, level,
+                                      poll_sleep_s))
         started = [p.recv() for p in self.producers]
         for c in self.consumers:
             c.recv()
@@ -254,22 +269,24 @@ class Coordinator:
             _all(self.producers, "fill", p_layouts, seeds)
             self._step(f"point {index}: sources filled")
         lengths = sizing.source_bytes(s, point.tokens)
-        stats: dict[str, VariantStats] = {}
-        for variant in s.variants:
-            if variant is Variant.CEILING:
-                stats[variant.value] = self._run_ceiling(index, lengths)
-            else:
-                stats[variant.value] = self._run_engine(index, point, variant, p_layouts, c_layouts, seeds)
+        rounds: dict[Variant, list[VariantStats]] = {v: [] for v in s.variants}
+        for r in range(s.rounds):
+            for variant in s.round_order(r):
+                tag = f"p{index}-r{r}-{variant.value}"
+                if variant is Variant.CEILING:
+                    rounds[variant].append(self._run_ceiling(tag, lengths))
+                else:
+                    rounds[variant].append(self._run_engine(tag, point, variant, p_layouts, c_layouts, seeds))
+        stats = {v.value: median_round(rs) for v, rs in rounds.items()}
         payloads = {v: st.payload_bytes for v, st in stats.items()}
         if len(set(payloads.values())) != 1:
             raise BenchError(f"variants moved different bytes: {payloads}", where=f"point {index}")
         per_request = next(iter(payloads.values())) // s.requests
         return PointResult(point, per_request, stats)
 
-    def _run_engine(self, index: int, point: Point, variant: Variant, p_layouts, c_layouts,
+    def _run_engine(self, tag: str, point: Point, variant: Variant, p_layouts, c_layouts,
                     seeds: list[int]) -> VariantStats:
         s = self.spec
-        tag = f"p{index}-{variant.value}"
         _all(self.consumers, "open_consumer", variant.value, self.addresses[0], self.descriptors,
              HANDSHAKE_TIMEOUT_S)
         self._step(f"{tag}: consumers connected")
@@ -326,9 +343,8 @@ class Coordinator:
         serves = [p.recv() for p in self.producers]
         return runs, serves
 
-    def _run_ceiling(self, index: int, lengths: list[dict[int, int]]) -> VariantStats:
+    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]]) -> VariantStats:
         s = self.spec
-        tag = f"p{index}-ceiling"
         warm = min(s.warmup, s.requests)
         if warm:
             self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths)

@@ -10,7 +10,7 @@ from hybrid_transfer.bench.spec import Device, Sweep, Variant
 from hybrid_transfer.bench.stats import VariantStats, ratio
 
 # Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" for those two.
-_FIGURES = ("gbps", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms", "completion_ms",
+_FIGURES = ("gbps", "gbps_rounds", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms", "completion_ms",
             "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms", "consumer_cpu_s",
             "producer_cpu_s", "window_s")
 
@@ -30,7 +30,7 @@ def common_record(result: BenchResult) -> dict[str, Any]:
     record: dict[str, Any] = {
         "preset": s.preset, "prefill_tp": s.prefill_tp, "decode_tp": s.decode_tp, "requests": s.requests,
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
-        "kv_dtype": s.kv_dtype or "model", "seed": s.seed, "warmup": s.warmup,
+        "kv_dtype": s.kv_dtype or "model", "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
     }
     if s.device is Device.CUDA:
         record["prefill_gpus"] = list(s.prefill_gpus)
@@ -102,7 +102,9 @@ def table_rows(result: BenchResult) -> list[list[str]]:
                 row.append(str(getattr(pr.point, s.sweep.value)))
             row += [
                 name + ("*" if name == s.mode.value else ""),
-                _fmt(st.gbps), _fmt(ratio(st.gbps, ceiling)),
+                _fmt(st.gbps) + (f" ({min(st.gbps_rounds):.2f}-{max(st.gbps_rounds):.2f})"
+                                 if len(st.gbps_rounds) > 1 else ""),
+                _fmt(ratio(st.gbps, ceiling)),
                 "-" if name == Variant.CEILING.value else _fmt(ratio(st.gbps, naive)),
                 _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
                 _fmt(st.overhead_ms, 3), _fmt(st.p50_ms),
@@ -118,11 +120,12 @@ COLUMNS = ("variant", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post
            "lag ms", "hold ms", "CPU s d/p", "verified")
 NOTES = (
     "*: the chosen --mode. GB/s: payload bytes of all decode ranks / (first post -> last request DONE), bytes "
-    "in their final place. desc/req: READ descriptors planned per request, all decode ranks (posted as planned: "
+    "in their final place; with --rounds, every figure is the median round's and (min-max) the rounds' GB/s. "
+    "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: "
     "NIXL's direct path does not merge). plan ms: median planner time per request and rank, measured again "
     "outside the window. post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy "
     "inside the post). ovh ms: post + the share of the poll that saw DONE (per-request CPU overhead). p50/p99 "
-    "ms: request latency, first post -> last DONE. lag ms: consumer notify -> producer free (median). hold ms: "
+    "ms: request latency, post -> DONE on each decode rank. lag ms: consumer notify -> producer free (median). hold ms: "
     "producer hold per request (a pack mode's gather would show here). CPU s d/p: process CPU seconds in the "
     "window, decode ranks / prefill ranks. ceiling: one READ per (decode rank, source) of the same bytes as a "
     "single descriptor, same processes."

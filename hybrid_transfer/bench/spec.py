@@ -67,13 +67,14 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int = 0
     verify: bool = False
     warmup: int = 2
+    rounds: int = 1
     sweep: Sweep = Sweep.NONE
     sweep_values: tuple[float, ...] = ()
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
         load_preset(self.preset)  # UnknownPresetError names the shipped ones
-        for name in ("prefill_tp", "decode_tp", "requests", "concurrency"):
+        for name in ("prefill_tp", "decode_tp", "requests", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be >= 1")
         p, d = self.prefill_tp, self.decode_tp
@@ -118,6 +119,12 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling."""
         chosen = Variant(self.mode.value)
         return (chosen, Variant.CEILING) if chosen is Variant.NAIVE else (chosen, Variant.NAIVE, Variant.CEILING)
+
+    def round_order(self, round_index: int) -> tuple[Variant, ...]:
+        """Variants of one round, rotated each round so no variant always runs first (or last)."""
+        v = self.variants
+        k = round_index % len(v)
+        return v[k:] + v[:k]
 
     def gpu_of(self, is_prefill: bool, tp_rank: int) -> int:
         """GPU index of a rank process: the side's list, round-robin over ranks."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 from hybrid_transfer.errors import ConfigError
 
@@ -85,7 +85,7 @@ class VariantStats:
     consumer_cpu_s: tuple[float, ...]
     producer_cpu_s: tuple[float, ...]
     verified: bool = False
-    extra: dict = field(default_factory=dict)
+    gbps_rounds: tuple[float, ...] = ()  # every round's GB/s, in round order (the figures are the median round's)
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -126,7 +126,8 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
     """Figures of one timed phase over every decode rank.
 
     GB/s: payload bytes of all ranks / (last DONE of any rank - first post of any rank).
-    Request latency: per request, its first post on any rank to its last DONE on any rank.
+    Request latency: post to DONE on one decode rank, over every (rank, request): ranks run their own
+    loops, so a cross-rank span would mostly measure how far apart the ranks are scheduled.
     Notification lag: per request, last producer free - last consumer notify.
 
     Raises:
@@ -147,7 +148,7 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
     per_request: dict[str, list[RequestTiming]] = {}
     for t in timings:
         per_request.setdefault(t.request_id, []).append(t)
-    latencies_ms = [(max(x.t_done for x in ts) - min(x.t_post for x in ts)) * 1e3 for ts in per_request.values()]
+    latencies_ms = [(t.t_done - t.t_post) * 1e3 for t in timings]
     descriptors = [sum(x.num_descriptors for x in ts) for ts in per_request.values()]
     lags_ms = _notify_lags_ms(per_request, serves)
     plan_s = [s for p in plans for s in p.plan_s]
@@ -173,6 +174,18 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
         consumer_cpu_s=tuple(r.cpu_s for r in sorted(runs, key=lambda r: r.rank)),
         producer_cpu_s=tuple(s.cpu_s for s in sorted(serves, key=lambda s: s.rank)),
     )
+
+
+def median_round(rounds: Sequence[VariantStats]) -> VariantStats:
+    """The round whose GB/s is the median (the lower middle for an even count), carrying every round's GB/s.
+
+    One real window's figures, not a mix: on a shared host a slow spell hits one round, not the result.
+    """
+    if not rounds:
+        raise ConfigError("no rounds to choose from", field="rounds", value=0)
+    ranked = sorted(rounds, key=lambda st: st.gbps)
+    chosen = ranked[(len(ranked) - 1) // 2]
+    return replace(chosen, gbps_rounds=tuple(st.gbps for st in rounds))
 
 
 def _notify_lags_ms(per_request: dict[str, list[RequestTiming]], serves: Sequence[ProducerServe]) -> list[float]:

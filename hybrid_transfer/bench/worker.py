@@ -44,6 +44,7 @@ class RankSetup:
     incarnation: int
     mode: str  # the run's chosen plan mode (producers are built with it)
     log_level: str = "WARNING"
+    poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class _Rank:
             torch.cuda.synchronize()
 
     def poll_idle(self) -> None:
+        if self.consumer is not None:
+            self.consumer.poll()  # progress NIXL: flushes the last completion notifications (progress is OFF)
         if self.producer is not None:
             now = time.monotonic()
             for rid in self.producer.poll():
@@ -215,7 +218,7 @@ def op_run_engine(rank: _Rank, items, concurrency: int, start_at: float):
         results = consumer.poll()
         c1 = time.monotonic()
         if not results:
-            os.sched_yield()
+            _wait(rank.setup.poll_sleep_s)
             continue
         for r in results:
             if not r.ok:
@@ -312,7 +315,7 @@ def op_run_ceiling(rank: _Rank, request_ids, lengths: dict[int, int], concurrenc
                 finished.append(rid)
         c1 = time.monotonic()
         if not finished:
-            os.sched_yield()
+            _wait(rank.setup.poll_sleep_s)
             continue
         for rid in finished:
             t0, t1, slot, handles = in_flight.pop(rid)
@@ -334,6 +337,14 @@ def op_close(rank: _Rank):
 
 
 _OPS = {name.removeprefix("op_"): fn for name, fn in globals().items() if name.startswith("op_")}
+
+
+def _wait(seconds: float) -> None:
+    """Between polls that found nothing: spin (yielding the core) when ranks have cores to themselves."""
+    if seconds > 0:
+        time.sleep(seconds)
+    else:
+        os.sched_yield()
 
 
 def _sleep_until(t: float) -> None:

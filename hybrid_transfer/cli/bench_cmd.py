@@ -84,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "decode cache after each variant (outside the timed window)")
     parser.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
                         help="untimed requests per variant before the timed ones (first READs wire up UCX)")
+    parser.add_argument("--rounds", type=int, default=d.rounds, metavar="K",
+                        help="timed rounds of every variant, interleaved (the order rotates each round); figures "
+                             "come from each variant's median-GB/s round, every round's GB/s is in the JSON "
+                             "(gbps_rounds). Use 3 or more on shared or noisy hosts")
     parser.add_argument("--sweep", choices=[s.value for s in Sweep if s is not Sweep.NONE], default=None,
                         help="run every variant at several fragmentations or token counts")
     parser.add_argument("--sweep-values", type=_float_list, default=None, metavar="LIST",
@@ -103,7 +107,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         requests=args.requests, concurrency=args.concurrency, fragmentation=args.fragmentation,
         mode=PlanMode(args.mode), device=Device(args.device), prefill_gpus=tuple(args.prefill_gpus),
         decode_gpus=tuple(args.decode_gpus), kv_dtype=args.kv_dtype, seed=args.seed, verify=args.verify,
-        warmup=args.warmup, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
+        warmup=args.warmup, rounds=args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
         sweep_values=tuple(args.sweep_values or ()),
     ).validate()
 

@@ -122,7 +122,7 @@ class Consumer:
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
                                 clock, self.config.handshake_timeout_s)
             # Pack mode (staging reads, engine/pack_reader.py) and every request's timings.
-            self._pack = PackReader(self.agent, cache, self.config, self._digest)
+            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
         except BaseException:
             self.close()
             raise
@@ -300,7 +300,8 @@ class Consumer:
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
         elif req.state is ReadState.READING:
-            pack_error = self._pack.advance(req, now)  # pack: scatters staged sources whose READ is DONE
+            pack_error = self._pack.advance(req)  # pack: scatters staged sources whose READ is DONE
+            now = self._clock()  # on CPU that scatter ran inside the call: DONE is stamped after it
             states = [self.agent.check(h) for h in req.handles]
             if pack_error is not None:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)

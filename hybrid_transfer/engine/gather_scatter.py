@@ -5,11 +5,11 @@ separate allocations, so a list that touches all of them would need a kernel per
 ``Arena`` aliases one uint8 tensor over the whole address span of the cache's tensors (zero-copy, via
 the array interface), and every piece becomes rows of that one tensor. Rows are ``g`` bytes, g the
 largest common divisor of every piece's start (relative to the arena), length and the staging
-pointer, viewed as the widest integer type dividing g; the row index (one int64 per row) is built on
-the device from the piece arrays, then
+pointer, viewed as the widest integer type dividing g; the row index (one int64 per row) is built
+from the piece arrays (on the device for CUDA), then
 
   gather:  index_select(arena_rows, 0, rows, out=staging_rows)   (staging is dense, in piece order)
-  scatter: arena_rows.index_copy_(0, rows, staging_rows)
+  scatter: arena_rows.index_copy_(0, rows, staging_rows)          (CPU: the same as a numpy row assignment)
 
 Bytes between the tensors are never touched: every piece is first checked to lie inside one
 tensor (RangeError otherwise). On CUDA both run on the copier's own stream (a gather first waits
@@ -151,33 +151,59 @@ class Copier:
         rel = addr - self.arena.origin
         g = int(np.gcd.reduce(np.concatenate((rel, length, [staging.data_ptr() - self.arena.origin]))))
         width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
-        rows_per = length // g
+        first_row, rows_per = rel // g, length // g
+        # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
+        shift = first_row - (np.cumsum(rows_per) - rows_per)
+        num_rows = total // g
         if self._stream is None:
             t0 = time.perf_counter()
-            self._copy(rel // g, rows_per, total // g, g, width, dtype, staging, gather)
+            self._copy_host(shift, rows_per, num_rows, g, staging, gather)
             return CopyTicket(time.perf_counter() - t0)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         if gather:  # cheap insurance: after any writes to the cache still queued on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             start.record()
-            keep = self._copy(rel // g, rows_per, total // g, g, width, dtype, staging, gather)
+            keep = self._copy_device(shift, rows_per, num_rows, g, staging, gather)
             end.record()
         return CopyTicket(None, start, end, keep)
 
-    def _copy(self, first_row: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, width: int,
-              dtype: torch.dtype, staging: torch.Tensor, gather: bool) -> tuple:
-        dev = self.device
+    def _rows(self, g: int, staging: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Arena and staging as rows of g bytes, in the widest integer type dividing g."""
+        width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
         arena_rows = self.arena.bytes[: (self.arena.nbytes // g) * g].view(dtype).view(-1, g // width)
-        stage_rows = staging[: num_rows * g].view(dtype).view(num_rows, g // width)
-        # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
-        shift = torch.as_tensor(first_row - (np.cumsum(rows_per) - rows_per), device=dev)
+        return arena_rows, staging[: num_rows * g].view(dtype).view(num_rows, g // width)
+
+    def _copy_device(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
+                     gather: bool) -> tuple:
+        """One index_select or index_copy_ kernel; the row index is built on the device (no host pass per row)."""
+        dev = self.device
+        arena_rows, stage_rows = self._rows(g, staging, num_rows)
+        shift_t = torch.as_tensor(shift, device=dev)
         counts = torch.as_tensor(rows_per, device=dev)
-        index = torch.repeat_interleave(shift, counts, output_size=num_rows)
+        index = torch.repeat_interleave(shift_t, counts, output_size=num_rows)
         index += torch.arange(num_rows, device=dev, dtype=torch.int64)
         if gather:
             torch.index_select(arena_rows, 0, index, out=stage_rows)
         else:
             arena_rows.index_copy_(0, index, stage_rows)
-        return (index, shift, counts, staging)
+        return (index, shift_t, counts, staging)
+
+    def _copy_host(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
+                   gather: bool) -> None:
+        """CPU: the index in numpy; gather with torch index_select, scatter with numpy row assignment.
+
+        Measured here (qwen3.5-397b-a17b TP1, 8192 tokens, 444 MB in rows of 256 B, one thread):
+        index build numpy 13 ms / torch 36 ms; gather torch index_select 73-77 ms / numpy take 400+ ms;
+        scatter torch index_copy_ 153 ms / numpy row assignment 80 ms.
+        """
+        index = np.repeat(shift, rows_per)
+        index += np.arange(num_rows, dtype=np.int64)
+        if gather:
+            arena_rows, stage_rows = self._rows(g, staging, num_rows)
+            torch.index_select(arena_rows, 0, torch.from_numpy(index), out=stage_rows)
+        else:
+            row = np.dtype((np.void, g))
+            arena = self.arena.bytes[: (self.arena.nbytes // g) * g].numpy().view(row)
+            arena[index] = staging[: num_rows * g].numpy().view(row)
 

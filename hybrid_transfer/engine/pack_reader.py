@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,8 @@ class _Source:
     handle: XferHandle | None = None
     copy: CopyTicket | None = None
     gather_s: float = 0.0
+    asked_at: float | None = None  # first StagingQuery
+    answered_at: float | None = None  # READY / ABSENT taken in (PENDING asks again)
 
 
 @dataclass(eq=False)
@@ -96,8 +99,10 @@ class _Track:
 class PackReader:
     """A consumer rank's pack reads, staging pool and per-request timings."""
 
-    def __init__(self, agent: NixlAgent, cache: HybridCache, config: EngineConfig, digest: str):
+    def __init__(self, agent: NixlAgent, cache: HybridCache, config: EngineConfig, digest: str,
+                 clock: Callable[[], float]):
         self._agent = agent
+        self._clock = clock  # read afresh after copies: on CPU a READ or a scatter runs inside the call
         self._rank = cache.geometry.tp_rank
         self._config = config
         self._digest = digest
@@ -145,6 +150,8 @@ class PackReader:
         t = req.ticket
         query = wire.StagingQuery(request_id=t.request_id, nonce=t.nonce, consumer_rank=self._rank)
         self._client.send(source.address, wire.encode(query, self._digest))
+        if source.asked_at is None:
+            source.asked_at = self._clock()
         self._asked.setdefault(source.address, collections.deque()).append((t.request_id, source.plan.source_rank))
         self.stats.queries_sent += 1
 
@@ -179,7 +186,9 @@ class PackReader:
         if status is wire.StagingStatus.PENDING:
             self.stats.pending_replies += 1
             self._ask(track.req, source)
-        elif status is wire.StagingStatus.READY:
+            return
+        source.answered_at = self._clock()
+        if status is wire.StagingStatus.READY:
             self._post_staged(track, source, body)
         else:
             if isinstance(body, wire.ErrorReply):
@@ -228,13 +237,16 @@ class PackReader:
         _add_handle(track.req, handle)
 
     # ---- progress ---------------------------------------------------------------------
-    def advance(self, req: Any, now: float) -> HybridTransferError | None:
+    def advance(self, req: Any) -> HybridTransferError | None:
         """Scatter sources whose READ is done, retire finished scatters; the error that fails the request, if any."""
         track = self._tracks.get(req.request_id)
         if track is None:
             return None
         if track.error is not None:
             return track.error
+        if track.read_done_at is None and all(s.step is not SourceStep.QUERYING for s in track.sources.values()) \
+                and all(self._agent.check(h) is XferState.DONE for h in req.handles):
+            track.read_done_at = self._clock()
         for source in track.sources.values():
             if source.step is SourceStep.READING and self._agent.check(source.handle) is XferState.DONE:
                 read = source.read
@@ -247,9 +259,6 @@ class PackReader:
             if source.step is SourceStep.SCATTERING and source.copy.is_done:
                 track.scatter_s += source.copy.elapsed_s
                 source.step = SourceStep.DONE
-        if track.read_done_at is None and all(s.step is not SourceStep.QUERYING for s in track.sources.values()) \
-                and all(self._agent.check(h) is XferState.DONE for h in req.handles):
-            track.read_done_at = now
         return None
 
     def is_settled(self, req: Any) -> bool:
@@ -266,6 +275,8 @@ class PackReader:
         return {
             "posted_at": track.posted_at,
             "gather_s": max((s.gather_s for s in track.sources.values()), default=0.0),
+            "query_s": max((s.answered_at - s.asked_at for s in track.sources.values()
+                            if s.answered_at is not None and s.asked_at is not None), default=0.0),
             "read_s": (done - track.posted_at) if done is not None else 0.0,
             "scatter_s": track.scatter_s,
             "num_packed_sources": sum(s.read is not None for s in track.sources.values()),

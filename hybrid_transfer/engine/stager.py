@@ -114,6 +114,13 @@ class Stager:
             entry.copy.wait()  # the gather must not outlive the blocks it reads
             self.pool.free(entry.piece)
 
+    def wait_staged(self, request_id: str) -> bool:
+        """Block until the request's gather has finished (benchmarks, tests); False when it is not staged."""
+        entry = self._entries.get(request_id)
+        if entry is not None:
+            entry.copy.wait()
+        return entry is not None
+
     def is_staged(self, request_id: str) -> bool:
         return request_id in self._entries
 

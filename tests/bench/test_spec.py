@@ -23,6 +23,7 @@ def test_defaults_are_a_small_valid_run():
     ({"tokens": -1}, "tokens"),
     ({"fragmentation": 1.5}, "fragmentation"),
     ({"warmup": -1}, "warmup"),
+    ({"rounds": 0}, "rounds"),
     ({"kv_dtype": "int4"}, "kv_dtype"),
     ({"decode_gpus": ()}, "decode_gpus"),
     ({"prefill_gpus": (-1,)}, "prefill_gpus"),
@@ -61,3 +62,10 @@ def test_gpus_are_assigned_round_robin_per_side():
     spec = BenchSpec(prefill_tp=2, decode_tp=8, prefill_gpus=(0,), decode_gpus=(1, 2))
     assert [spec.gpu_of(True, r) for r in range(2)] == [0, 0]
     assert [spec.gpu_of(False, r) for r in range(4)] == [1, 2, 1, 2]
+
+
+def test_round_order_rotates_so_every_variant_leads_once():
+    spec = BenchSpec(rounds=3)
+    orders = [spec.round_order(r) for r in range(3)]
+    assert [o[0] for o in orders] == [Variant.COALESCED, Variant.NAIVE, Variant.CEILING]
+    assert all(sorted(o, key=lambda v: v.value) == sorted(spec.variants, key=lambda v: v.value) for o in orders)

@@ -14,6 +14,7 @@ from hybrid_transfer.bench.stats import (
     RequestTiming,
     gbps,
     median,
+    median_round,
     percentile,
     ratio,
     summarize,
@@ -72,9 +73,9 @@ def test_summarize_spans_ranks_and_requests():
     assert s.gbps == pytest.approx(4000 / 0.6 / 1e9)
     assert s.descriptors_per_request == 10.0  # summed over ranks
     assert s.pieces_per_request == 10.0
-    # Latency of a: 10.0 -> 10.4; of b: 10.1 -> 10.6.
-    assert s.p50_ms == pytest.approx(450.0)
-    assert s.p99_ms == pytest.approx(400.0 + 100.0 * 0.99)
+    # Latency per (rank, request), post to DONE on that rank: 200, 200, 350 and 400 ms.
+    assert s.p50_ms == pytest.approx(275.0)
+    assert s.p99_ms == pytest.approx(350.0 + 50.0 * 0.97)
     # Lag: last free - last notify per request: a 10.45 - 10.4, b 10.61 - 10.6.
     assert s.notify_lag_p50_ms == pytest.approx(30.0)
     assert s.plan_ms == pytest.approx(2.0)
@@ -104,3 +105,16 @@ def test_summarize_rejects_no_timings_and_ranks_that_disagree():
     runs = [ConsumerRun(0, (_t("a", 1.0, 2.0),), 0.0), ConsumerRun(1, (_t("b", 1.0, 2.0),), 0.0)]
     with pytest.raises(ConfigError):
         summarize("naive", runs)
+
+
+def test_median_round_keeps_one_real_round_and_lists_all():
+    rounds = []
+    for i, window in enumerate([0.5, 0.25, 1.0]):  # 2, 4 and 1 GB/s... in that order
+        t = RequestTiming(f"r{i}", 0.0, 0.001, window, window, 1_000_000_000, 3)
+        rounds.append(summarize("naive", [ConsumerRun(0, (t,), cpu_s=float(i))]))
+    chosen = median_round(rounds)
+    assert chosen.gbps == 2.0 and chosen.consumer_cpu_s == (0.0,)  # round 0: its own figures, unmixed
+    assert chosen.gbps_rounds == (2.0, 4.0, 1.0)
+    assert median_round(rounds[:2]).gbps == 2.0  # even count: the lower middle
+    with pytest.raises(ConfigError):
+        median_round([])

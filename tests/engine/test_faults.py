@@ -138,9 +138,9 @@ def test_consumer_killed_its_leases_run_out_after_outliving_their_first_expiry(c
             return (state, sorted(handles)) if "DONE" in handles else None
 
         assert _until("the READ from rank 0", read_state) == ("reading", ["DONE", "PROC"])
-        before = w0.call("call", status, k0)["stats"]["renewals"]
+        assert w0.call("call", status, k0, ["r"])["expires_at"] == {"r": lease_s}
         assert w0.call("call", advance_clock, k0, lease_s - 1.0) == 9.0
-        _until("a renewal at t=9", lambda: w0.call("call", status, k0)["stats"]["renewals"] > before)
+        _until("a renewal at t=9", lambda: w0.call("call", status, k0, ["r"])["expires_at"]["r"] == 9.0 + lease_s)
         w0.call("call", advance_clock, k0, 6.0)  # t=15: past the first expiry
         w0.call("settle", 0.1)
         st = w0.call("call", status, k0, ["r"])
