@@ -46,6 +46,8 @@ def _sync(device: str) -> None:
 
 def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, engine_id: str, incarnation: int):
     """One rank's process: builds its engine(s), then serves commands while polling them."""
+    import logging
+
     import torch
 
     from hybrid_transfer.cache import HybridCache
@@ -54,6 +56,7 @@ def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, e
     from hybrid_transfer.plan.types import PlanMode
     from hybrid_transfer.verify import check_destination, fill_source, poison
 
+    logging.basicConfig(level=args.log_level, format=f"%(asctime)s {'p' if is_producer else 'd'}{rank} %(message)s")
     torch.set_num_threads(1)
     geometry = _geometry(args.preset, tp_size, rank)
     cache = HybridCache.allocate(geometry, args.num_blocks_p if is_producer else args.num_blocks_d, args.device)
@@ -145,6 +148,7 @@ def main() -> int:
                         help="fill with the oracle pattern and check the first pack read bitwise")
     parser.add_argument("--gather-on-path", action="store_true",
                         help="start the reads right after hold(), without waiting for the producers' gather")
+    parser.add_argument("--log-level", default="WARNING", help="of the rank processes (DEBUG: pack read steps)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.device == "cuda":

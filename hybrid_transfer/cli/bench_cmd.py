@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         from rich.console import Console
 
         # A pipe or file gets the whole table; a terminal gets its own width.
-        print_table(result, Console() if sys.stdout.isatty() else Console(width=160))
+        print_table(result, Console() if sys.stdout.isatty() else Console(width=200))
     else:
         print(plain_table(result))
     if args.json is not None:

@@ -2,16 +2,18 @@
 
 Modules: config (EngineConfig), wire (messages), side_channel (ZeroMQ), handshake (its two
 tiers), agent (one NIXL agent), state (request lifecycles), peers (a consumer's producer
-links), producer, consumer.
+links), producer, consumer. Lifecycle under faults: lease (expiry on the producer's clock),
+holds (a producer's holds, aborts and revocations), fences (engine step fences), quarantine
+(a consumer's blocks that something may still write), revocations (a consumer's revoked tickets).
 """
 
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.producer import Producer
-from hybrid_transfer.engine.state import ReadResult, ReadState
+from hybrid_transfer.engine.state import FailureCause, HoldState, ReadResult, ReadState
 from hybrid_transfer.engine.wire import Ticket, decode_ticket, encode_ticket
 
 __all__ = [
-    "Consumer", "EngineConfig", "PrepStrategy", "Producer", "ProgressPolicy", "ReadResult", "ReadState",
-    "Ticket", "decode_ticket", "encode_ticket",
+    "Consumer", "EngineConfig", "FailureCause", "HoldState", "PrepStrategy", "Producer", "ProgressPolicy",
+    "ReadResult", "ReadState", "Ticket", "decode_ticket", "encode_ticket",
 ]

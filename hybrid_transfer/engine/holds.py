@@ -52,7 +52,8 @@ class HoldBook:
         self._pins: dict[int, int] = {}  # block id -> holds pinning it (ended holds until released)
         self._leases = LeaseBook(lease_s)
         self._releasing: list[Hold] = []  # ended, blocks pinned until their fences pass
-        self._revoked: dict[tuple[str, int], float] = {}  # (request id, nonce) -> when the revocation lapses
+        # (request id, nonce) -> when the revocation lapses; inserted in lapse order (one clock, one lease_s)
+        self._revoked: dict[tuple[str, int], float] = {}
         self.terminal_counts: Counter[str] = Counter()  # HoldState value -> holds that ended in it
 
     # ---- holding ------------------------------------------------------------------
@@ -142,8 +143,10 @@ class HoldBook:
 
     def expire(self) -> list[Hold]:
         """End every hold whose lease ran out (EXPIRED, or ABORTED when aborting); revoke their tickets."""
+        now = self._clock()
+        self._prune_revocations(now)
         ended = []
-        for request_id in self._leases.pop_expired(self._clock()):
+        for request_id in self._leases.pop_expired(now):
             hold = self._holds[request_id]
             if hold.state is HoldState.HELD:
                 self._revoke(hold)
@@ -168,10 +171,16 @@ class HoldBook:
         return out
 
     def revocations(self) -> list[tuple[str, int]]:
-        """(request id, nonce) of tickets revoked within the last lease (lapsed ones are forgotten here)."""
-        now = self._clock()
-        self._revoked = {key: until for key, until in self._revoked.items() if until > now}
+        """(request id, nonce) of tickets revoked within the last lease."""
+        self._prune_revocations(self._clock())
         return list(self._revoked)
+
+    def _prune_revocations(self, now: float) -> None:
+        while self._revoked:
+            key, until = next(iter(self._revoked.items()))
+            if until > now:
+                break
+            del self._revoked[key]
 
     # ---- counts -------------------------------------------------------------------------
     @property

@@ -3,10 +3,10 @@
 The producer side and the protocol are in stager.py. Here, per (request, source) whose coalesced
 rows go through staging (every source in pack mode; in auto mode those the cost model prefers):
 
-  QUERYING    a StagingQuery went to the source rank's side channel
-  READING     READY came back: the rows are mapped onto the source's canonical layout
-              (plan/stage_layout.py), a slice of this rank's pool is taken and one READ of at
-              most two ranges is posted into it
+  QUERYING    a StagingQuery went to the source rank's side channel; while it travels the rows
+              are mapped onto the source's canonical layout (plan/stage_layout.py)
+  READING     READY came back: a slice of this rank's pool is taken and one READ of at most two
+              ranges is posted into it
   SCATTERING  the READ is DONE: one index kernel copies the slice into the local blocks
   DONE        the scatter has finished (CUDA: its event completed)
   DIRECT      fallback: the source's coalesced rows went out as one direct READ, because the
@@ -83,6 +83,8 @@ class _Source:
     gather_s: float = 0.0
     asked_at: float | None = None  # first StagingQuery
     answered_at: float | None = None  # READY / ABSENT taken in (PENDING asks again)
+    read_posted_at: float | None = None
+    staged_bytes: int = 0  # what the source's layout stages in all (its reply must say the same)
 
 
 @dataclass(eq=False)
@@ -142,8 +144,18 @@ class PackReader:
         tpl = next(t for t in link.planner.templates if t.source_rank == src.source_rank)
         source = _Source(src, req.ticket.addresses[src.source_rank], link.agents[src.source_rank], tpl.geometry,
                          tuple(int(a) for a in tpl.tensor_addrs))
-        self._tracks[req.request_id].sources[src.source_rank] = source
+        track = self._tracks[req.request_id]
+        track.sources[src.source_rank] = source
         self._ask(req, source)
+        # Map the rows onto the source's layout while the query travels (about 1 ms for DESIGN 3's example).
+        t = req.ticket
+        try:
+            layout = stage_layout(source.geometry, source.tensor_addrs, t.block_ids, t.num_tokens)
+            source.staged_bytes = layout.total_bytes
+            source.read = map_rows(layout, src.local_addr, src.remote_addr, src.length)
+        except PlanError as exc:
+            log.warning("request %r, source %s: %s; reading it directly", t.request_id, source.address, exc)
+            self._fallback(track, source, "fallback_mismatch")  # its reply, when it comes, is a stray
         return True
 
     def _ask(self, req: Any, source: _Source) -> None:
@@ -197,14 +209,10 @@ class PackReader:
 
     def _post_staged(self, track: _Track, source: _Source, reply: wire.StagingReply) -> None:
         t = track.req.ticket
-        try:
-            layout = stage_layout(source.geometry, source.tensor_addrs, t.block_ids, t.num_tokens)
-            if layout.total_bytes != reply.nbytes:
-                raise PlanError(f"source staged {reply.nbytes} B, its layout has {layout.total_bytes} B",
-                                staged=reply.nbytes, expected=layout.total_bytes)
-            read = map_rows(layout, source.plan.local_addr, source.plan.remote_addr, source.plan.length)
-        except PlanError as exc:
-            log.warning("request %r, source %s: %s; reading it directly", t.request_id, source.address, exc)
+        read = source.read
+        if source.staged_bytes != reply.nbytes:
+            log.warning("request %r, source %s: it staged %d B, its layout has %d B; reading it directly",
+                        t.request_id, source.address, reply.nbytes, source.staged_bytes)
             self._fallback(track, source, "fallback_mismatch")
             return
         piece = self.pool.try_alloc(read.total_bytes)
@@ -220,7 +228,11 @@ class PackReader:
             self.pool.free(piece)
             track.error = track.error or exc
             return
-        source.piece, source.read, source.handle, source.gather_s = piece, read, handle, reply.gather_s
+        source.piece, source.handle, source.gather_s = piece, handle, reply.gather_s
+        source.read_posted_at = self._clock()
+        log.debug("request %r source %d: %d ranges, query %.3f ms, post %.3f ms", t.request_id,
+                  source.plan.source_rank, n, 1e3 * (source.answered_at - source.asked_at),
+                  1e3 * (source.read_posted_at - source.answered_at))
         source.step = SourceStep.READING
         self.stats.packed_sources += 1
         _add_handle(track.req, handle)
@@ -250,6 +262,8 @@ class PackReader:
         for source in track.sources.values():
             if source.step is SourceStep.READING and self._agent.check(source.handle) is XferState.DONE:
                 read = source.read
+                log.debug("request %r source %d: READ of %d B seen done %.3f ms after its post", req.request_id,
+                          source.plan.source_rank, read.total_bytes, 1e3 * (self._clock() - source.read_posted_at))
                 try:
                     source.copy = self._copier.scatter(source.piece.tensor, read.scatter_dst, read.scatter_length)
                 except HybridTransferError as exc:
@@ -279,7 +293,7 @@ class PackReader:
                             if s.answered_at is not None and s.asked_at is not None), default=0.0),
             "read_s": (done - track.posted_at) if done is not None else 0.0,
             "scatter_s": track.scatter_s,
-            "num_packed_sources": sum(s.read is not None for s in track.sources.values()),
+            "num_packed_sources": sum(s.handle is not None for s in track.sources.values()),
             "num_fallback_sources": track.fallbacks,
         }
 

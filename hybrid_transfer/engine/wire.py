@@ -8,9 +8,9 @@ defaults at the end and bumping PROTOCOL_VERSION.
 
 Version log:
   1: Envelope; HandshakeRequest, HandshakeReply, Ticket, Completion, ErrorReply.
-  2: lifecycle under faults (issue 5): CompletionKind ABORTED and FAILED; Heartbeat (lease renewal),
-     Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists revoked
-     tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer agent closes).
+  2: lifecycle under faults (issue 5): CompletionKind ABORTED and FAILED; Heartbeat (lease
+     renewal), Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists
+     revoked tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer closes).
   2: pack mode (issue 6): StagingQuery / StagingReply, side channel only (defined at the end).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent

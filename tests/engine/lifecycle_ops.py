@@ -272,3 +272,8 @@ def churn_final(state, key, settle_s: float) -> dict:
     else:
         out |= {"pending_aborts": len(proxy.aborts), "raised": dict(proxy.raised)}
     return out
+
+
+def abort(state, key, request_id) -> bool:
+    """The embedder's abort on a producer or consumer rank (paused or not)."""
+    return _engine(state, key).abort(request_id)

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Run the GPU figures on a lent H200 host from the repo root (the device tool's machine):
+#   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single, cross, split
+# Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (../shared/tools/gpu-wheels.sh,
+# plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
+set -u
+OUT=${OUT:-$PWD/out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# Without it UCX moves GPU bytes over TCP on hosts without NVLink (DESIGN 7). Multicast stays off (device tool rule).
+export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+ht() { python3 -m hybrid_transfer "$@"; }
+BIG="--preset qwen3.5-397b-a17b --tokens 8192 --requests ${REQUESTS:-8} --concurrency ${CONCURRENCY:-4} --rounds ${ROUNDS:-3}"
+SMALL="--preset qwen3.5-0.8b --tokens 2048 --requests 16 --concurrency 4 --rounds ${ROUNDS:-3}"
+SWEEP="--sweep fragmentation --sweep-values 0,1"
+
+bench() {  # name, args...
+    local name=$1; shift
+    echo "=== bench $name: $*"
+    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -n 30
+}
+
+for stage in "$@"; do
+    case $stage in
+        doctor) nvidia-smi -L; ht doctor --device cuda --json > "$OUT/doctor.json"; ht doctor --device cuda ;;
+        pytest) python3 -m pytest -q -rs tests/engine/test_pack_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -n 15 ;;
+        single)
+            for mode in coalesced pack; do
+                bench "single_397b_p1d1_$mode" $BIG --prefill-tp 1 --decode-tp 1 --mode "$mode"
+                bench "single_397b_p2d8_$mode" $BIG --prefill-tp 2 --decode-tp 8 --mode "$mode"
+                bench "single_08b_p1d1_$mode" $SMALL --prefill-tp 1 --decode-tp 1 --mode "$mode"
+            done ;;
+        cross)
+            for mode in coalesced pack; do
+                bench "cross_397b_p1d1_$mode" $BIG --prefill-tp 1 --decode-tp 1 --mode "$mode" \
+                    --prefill-gpus 0 --decode-gpus 1
+                bench "cross_397b_p2d8_$mode" $BIG --prefill-tp 2 --decode-tp 8 --mode "$mode" \
+                    --prefill-gpus 0 --decode-gpus 1
+            done ;;
+        split) python3 benchmarks/pack_split.py --device cuda 2>&1 | tee "$OUT/pack_split.log" | tail -n 20 ;;
+        *) echo "unknown stage $stage"; exit 2 ;;
+    esac
+done
