@@ -138,6 +138,7 @@ class Consumer:
         self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
         self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
         self._next_heartbeat_at = clock()
+        self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
 
     # ---- handshakes ---------------------------------------------------------------
     def connect(self, address: str, *, timeout_s: float | None = None) -> None:
@@ -362,7 +363,8 @@ class Consumer:
         self._tell_producers(req, wire.CompletionKind.DONE)
         leftovers = [h for h in req.handles if not self.agent.release(h)]
         if leftovers:  # DONE handles write nothing more; NIXL lets go of them on a later poll
-            self._quarantine.add(f"\0done:{id(req)}", (), leftovers)
+            self._leftovers += 1
+            self._quarantine.add(f"\0done:{self._leftovers}", (), leftovers)
         transition(req, ReadState.DONE, now)
         self.stats.done += 1
 
