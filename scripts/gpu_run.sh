@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run the GPU figures on a lent H200 host from the repo root (the device tool's machine):
-#   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single, cross, split
+#   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (../shared/tools/gpu-wheels.sh,
 # plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
 set -u
@@ -19,19 +19,24 @@ SWEEP="--sweep fragmentation --sweep-values 0,1"
 bench() {  # name, args...
     local name=$1; shift
     echo "=== bench $name: $*"
-    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -n 30
+    # Only the JSON goes to $OUT (the device tool brings back at most 8 files); the table goes to stdout.
+    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n 12
 }
 
 for stage in "$@"; do
     case $stage in
         doctor) nvidia-smi -L; ht doctor --device cuda --json > "$OUT/doctor.json"; ht doctor --device cuda ;;
-        pytest) python3 -m pytest -q -rs tests/engine/test_pack_cuda.py 2>&1 | tee "$OUT/pytest_cuda.log" | tail -n 15 ;;
-        single)
-            for mode in coalesced pack; do
+        pytest) python3 -m pytest -q -rs tests/engine/test_pack_cuda.py tests/engine/test_gather_scatter.py 2>&1 | tail -n 15 ;;
+        single|single-coalesced|single-pack)  # MODES overrides the modes measured beside naive and ceiling
+            modes=${MODES:-coalesced pack}
+            [ "$stage" = single-coalesced ] && modes=coalesced
+            [ "$stage" = single-pack ] && modes=pack
+            for mode in $modes; do
                 bench "single_397b_p1d1_$mode" $BIG --prefill-tp 1 --decode-tp 1 --mode "$mode"
                 bench "single_397b_p2d8_$mode" $BIG --prefill-tp 2 --decode-tp 8 --mode "$mode"
                 bench "single_08b_p1d1_$mode" $SMALL --prefill-tp 1 --decode-tp 1 --mode "$mode"
             done ;;
+        single-p2d8) bench single_397b_p2d8_coalesced $BIG --prefill-tp 2 --decode-tp 8 --mode coalesced ;;
         cross)
             for mode in coalesced pack; do
                 bench "cross_397b_p1d1_$mode" $BIG --prefill-tp 1 --decode-tp 1 --mode "$mode" \
@@ -39,7 +44,7 @@ for stage in "$@"; do
                 bench "cross_397b_p2d8_$mode" $BIG --prefill-tp 2 --decode-tp 8 --mode "$mode" \
                     --prefill-gpus 0 --decode-gpus 1
             done ;;
-        split) python3 benchmarks/pack_split.py --device cuda 2>&1 | tee "$OUT/pack_split.log" | tail -n 20 ;;
+        split) python3 benchmarks/pack_split.py --device cuda --runs 7 2>&1 | tail -n 20 ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

@@ -36,6 +36,19 @@ def pool_blocks(spec: BenchSpec, is_prefill: bool) -> int:
     return max(1, max(spec.requests * blocks_per_request(geo, p.tokens) for p in spec.points))
 
 
+def staging_bytes(spec: BenchSpec, is_prefill: bool) -> int:
+    """Staging pool of one rank for pack and auto, so no request falls back to direct for lack of room.
+
+    A producer rank gathers every request it holds (the bench holds all of a point's requests at once);
+    a decode rank stages the requests it has in flight. Bytes are the rank's real bytes per request.
+    """
+    geo = geometry(spec, is_prefill)
+    num_fa = len(geo.model.attention_layers)
+    per_request = max(p.tokens * geo.kv_bytes_per_token * num_fa + geo.state_bytes_per_request for p in spec.points)
+    held = spec.requests if is_prefill else min(spec.requests, spec.concurrency)
+    return max(1 << 20, held * per_request + (1 << 20))
+
+
 def request_seed(spec: BenchSpec, point_index: int, request_index: int) -> int:
     """Pattern seed of one request: producers fill with it, consumers check against it."""
     return (spec.seed * 1_000_003 + point_index) * 100_003 + request_index

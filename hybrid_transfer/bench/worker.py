@@ -1,8 +1,9 @@
 """One rank process of the benchmark: a Producer or a Consumer over its own cache, plus a ceiling agent.
 
 The coordinator sends commands over a Pipe; they run one at a time on the process's main thread,
-which owns every NIXL agent here. Between commands a prefill rank keeps polling its Producer
-(progress is OFF: a target that never polls stalls a first READ, DESIGN 7) and its ceiling agent.
+which owns every NIXL agent here. Between commands each rank keeps polling (progress is OFF,
+DESIGN 7): a prefill rank its Producer and ceiling agent (a target that never polls stalls a first
+READ), a decode rank its Consumer (which flushes its last completion notifications).
 Timed windows live inside ``run_engine`` / ``run_ceiling`` (decode ranks) and ``serve`` (prefill
 ranks); filling, poisoning, planning again and verifying happen in other commands, outside them.
 """
@@ -21,7 +22,7 @@ from hybrid_transfer.errors import BenchError, ConfigError
 
 log = logging.getLogger(__name__)
 
-IDLE_POLL_S = 0.002  # wait for the next command between rounds of polling (prefill ranks)
+IDLE_POLL_S = 0.002  # wait for the next command between rounds of polling
 SERVE_POLL_S = 0.001  # producer poll interval in a timed window: bounds the notification lag, costs CPU
 STOP_GRACE_S = 10.0  # after "stop", how long a prefill rank still waits for outstanding frees
 STOP = "stop"
@@ -45,6 +46,7 @@ class RankSetup:
     mode: str  # the run's chosen plan mode (producers are built with it)
     log_level: str = "WARNING"
     poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
+    staging_bytes: int = 256 << 20  # pack / auto staging pool (sizing.staging_bytes)
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,8 @@ def op_setup(rank: _Rank, setup: RankSetup):
     rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
     if not setup.is_prefill:
         return None
-    rank.producer = Producer(rank.cache, EngineConfig(mode=PlanMode(setup.mode)), engine_id=setup.engine_id,
+    config = EngineConfig(mode=PlanMode(setup.mode), staging_bytes=setup.staging_bytes)
+    rank.producer = Producer(rank.cache, config, engine_id=setup.engine_id,
                              incarnation=setup.incarnation)
     return rank.producer.address, rank.producer.descriptor
 
@@ -184,7 +187,8 @@ def op_open_consumer(rank: _Rank, mode: str, address: str, producer_descriptors,
 
     if rank.consumer is not None:
         rank.consumer.close()
-    rank.consumer = Consumer(rank.cache, EngineConfig(mode=PlanMode(mode)), engine_id=rank.setup.engine_id)
+    config = EngineConfig(mode=PlanMode(mode), staging_bytes=rank.setup.staging_bytes)
+    rank.consumer = Consumer(rank.cache, config, engine_id=rank.setup.engine_id)
     rank.consumer.connect(address, timeout_s=timeout_s)
     rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, producer_descriptors)
 
