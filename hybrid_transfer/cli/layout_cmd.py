@@ -5,18 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
+from hybrid_transfer.cli.common import KV_DTYPES, add_model_source, load_model, parse_kv_dtype
 from hybrid_transfer.layout import (
     CacheOptions,
-    DType,
     ModelSpec,
     RankGeometry,
-    load_config_file,
-    load_preset,
-    preset_names,
 )
 from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
 
-_KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
 _MIB = 1 << 20
 
 
@@ -32,12 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", metavar="NAME", help=f"shipped preset: {', '.join(preset_names())}")
-    source.add_argument("--config", metavar="PATH", help="a model's own config.json (flat or with text_config)")
+    add_model_source(parser)
     parser.add_argument("--tp", type=int, required=True, metavar="T", help="tensor-parallel size")
     parser.add_argument("--rank", type=int, default=None, metavar="R", help="show only this TP rank; None shows every rank")
-    parser.add_argument("--kv-dtype", choices=sorted(_KV_DTYPES), default=None,
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype; None means the model dtype")
     parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, metavar="A",
                         help="block size alignment in tokens for page-size unification")
@@ -48,9 +42,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_preset(args.preset) if args.preset is not None else load_config_file(args.config)
+    model = load_model(args)
     options = CacheOptions(
-        kv_dtype=_KV_DTYPES[args.kv_dtype] if args.kv_dtype else None,
+        kv_dtype=parse_kv_dtype(args.kv_dtype),
         alignment=args.alignment,
         kernel_block_size=args.kernel_block_size,
     )

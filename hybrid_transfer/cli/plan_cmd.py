@@ -7,14 +7,14 @@ import json
 
 import numpy as np
 
+from hybrid_transfer.cli.common import KV_DTYPES, add_model_source, load_model, parse_kv_dtype
 from hybrid_transfer.errors import ConfigError
-from hybrid_transfer.layout import CacheOptions, DType, ModelSpec, load_config_file, load_preset, preset_names
+from hybrid_transfer.layout import CacheOptions, ModelSpec
 from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
 from hybrid_transfer.plan.planner import Planner
 from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan
 
-_KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
 _POOL_FACTOR = 4  # block pool per side: this many times the blocks a request needs, so shuffles have room
 
 
@@ -30,9 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", metavar="NAME", help=f"shipped preset: {', '.join(preset_names())}")
-    source.add_argument("--config", metavar="PATH", help="a model's own config.json (flat or with text_config)")
+    add_model_source(parser)
     parser.add_argument("--prefill-tp", type=int, required=True, metavar="P", help="prefill (producer) TP size")
     parser.add_argument("--decode-tp", type=int, required=True, metavar="D", help="decode (consumer) TP size")
     parser.add_argument("--decode-rank", type=int, default=None, metavar="R",
@@ -43,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fragmentation", type=float, default=0.0, metavar="F",
                         help="share of block ids replaced by random free ids (0: contiguous, 1: shuffled)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for fragmented block ids")
-    parser.add_argument("--kv-dtype", choices=sorted(_KV_DTYPES), default=None,
+    parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype on both sides; None means the model dtype")
     parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, metavar="A",
                         help="block size alignment in tokens for page-size unification")
@@ -57,8 +55,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_preset(args.preset) if args.preset is not None else load_config_file(args.config)
-    kv_dtype = _KV_DTYPES[args.kv_dtype] if args.kv_dtype else None
+    model = load_model(args)
+    kv_dtype = parse_kv_dtype(args.kv_dtype)
     prefill = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.prefill_block_size,
                            kernel_block_size=args.prefill_kernel_block_size)
     decode = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.decode_block_size,
