@@ -5,6 +5,11 @@ tiers), agent (one NIXL agent), state (request lifecycles), peers (a consumer's 
 links), producer, consumer. Lifecycle under faults: lease (expiry on the producer's clock),
 holds (a producer's holds, aborts and revocations), fences (engine step fences), quarantine
 (a consumer's blocks that something may still write), revocations (a consumer's revoked tickets).
+Pack mode: staging (bounded registered pools), stager (the producer's gather at hold and its
+staging directory), pack_reader (the consumer's query, READ and scatter), gather_scatter (one
+index copy per list on CPU or CUDA), calibrate (per-descriptor and per-byte costs for auto).
+Diagnostics (`hybrid-transfer doctor`): diagnostics, diagnostics_host, diagnostics_paths,
+diagnostics_loopback, diagnostics_ucx.
 """
 
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy

@@ -41,7 +41,7 @@ from hybrid_transfer.engine.gather_scatter import Arena, Copier, CopyTicket
 from hybrid_transfer.engine.side_channel import HandshakeClient
 from hybrid_transfer.engine.stager import STAGING_MODES
 from hybrid_transfer.engine.staging import StagingPool, StagingSlice
-from hybrid_transfer.engine.state import XferState
+from hybrid_transfer.engine.state import ReadState, XferState
 from hybrid_transfer.errors import EngineError, HybridTransferError, PlanError, WireDecodeError
 from hybrid_transfer.plan.stage_layout import StagedRead, map_rows, stage_layout
 from hybrid_transfer.plan.types import PlanMode, SourcePlan
@@ -189,6 +189,11 @@ class PackReader:
             track = self._tracks.get(key[0]) if key else None
             source = track.sources.get(key[1]) if track else None
             if source is None or source.step is not SourceStep.QUERYING:
+                self.stats.stray_replies += 1
+                continue
+            if track.req.state is not ReadState.READING:
+                # The request is ending (failed, aborted, revoked): posting now would only add a handle
+                # its quarantine must wait for.
                 self.stats.stray_replies += 1
                 continue
             self._on_reply(track, source, body)

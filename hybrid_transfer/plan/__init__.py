@@ -11,6 +11,7 @@ Modules, one job each:
   validate   typed checks of block ids and of finished plans
   executor   applies plans to plain memory (tests, dry runs)
   scenario   fake engines and block ids for the CLI and benchmarks
+  stage_layout  pack mode's canonical staging order: any consumer's share is at most two ranges
 """
 
 from hybrid_transfer.plan.cost import CostModel
