@@ -279,6 +279,11 @@ class Coordinator:
                 else:
                     rounds[variant].append(self._run_engine(tag, point, variant, p_layouts, c_layouts, seeds))
         stats = {v.value: median_round(rs) for v, rs in rounds.items()}
+        for name, st in stats.items():
+            if st.fallback_sources:
+                self.warnings.append(
+                    f"point {index}, {name}: {st.fallback_sources} of {st.fallback_sources + st.packed_sources} "
+                    "staged sources were read directly (staging absent or full): not a pure pack figure")
         payloads = {v: st.payload_bytes for v, st in stats.items()}
         if len(set(payloads.values())) != 1:
             raise BenchError(f"variants moved different bytes: {payloads}", where=f"point {index}")

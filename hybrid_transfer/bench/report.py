@@ -10,9 +10,10 @@ from hybrid_transfer.bench.spec import Device, Sweep, Variant
 from hybrid_transfer.bench.stats import VariantStats, ratio
 
 # Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" for those two.
-_FIGURES = ("gbps", "gbps_rounds", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms", "completion_ms",
-            "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms", "consumer_cpu_s",
-            "producer_cpu_s", "window_s")
+_FIGURES = ("gbps", "gbps_rounds", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms",
+            "completion_ms", "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms",
+            "consumer_cpu_s", "producer_cpu_s", "window_s", "gather_ms", "query_ms", "scatter_ms", "packed_sources",
+            "fallback_sources")
 
 
 def _round(x: Any) -> Any:
@@ -109,6 +110,7 @@ def table_rows(result: BenchResult) -> list[list[str]]:
                 _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
                 _fmt(st.overhead_ms, 3), _fmt(st.p50_ms),
                 _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
+                "-" if st.gather_ms is None else f"{st.gather_ms:.3f} / {st.scatter_ms:.3f}",
                 f"{sum(st.consumer_cpu_s):.2f} / {sum(st.producer_cpu_s):.2f}",
                 "yes" if st.verified else "no",
             ]
@@ -117,18 +119,19 @@ def table_rows(result: BenchResult) -> list[list[str]]:
 
 
 COLUMNS = ("variant", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post ms", "ovh ms", "p50 ms", "p99 ms",
-           "lag ms", "hold ms", "CPU s d/p", "verified")
+           "lag ms", "hold ms", "gather/scatter ms", "CPU s d/p", "verified")
 NOTES = (
     "*: the chosen --mode. GB/s: payload bytes of all decode ranks / (first post -> last request DONE), bytes "
     "in their final place; with --rounds, every figure is the median round's and (min-max) the rounds' GB/s. "
-    "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: "
-    "NIXL's direct path does not merge). plan ms: median planner time per request and rank, measured again "
-    "outside the window. post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy "
-    "inside the post). ovh ms: post + the share of the poll that saw DONE (per-request CPU overhead). p50/p99 "
-    "ms: request latency, post -> DONE on each decode rank. lag ms: consumer notify -> producer free (median). hold ms: "
-    "producer hold per request (a pack mode's gather would show here). CPU s d/p: process CPU seconds in the "
-    "window, decode ranks / prefill ranks. ceiling: one READ per (decode rank, source) of the same bytes as a "
-    "single descriptor, same processes."
+    "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: NIXL's direct path "
+    "does not merge). plan ms: median planner time per request and rank, measured again outside the window. "
+    "post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy inside the post). "
+    "ovh ms: post + the share of the poll that saw DONE (per-request CPU overhead). p50/p99 ms: request "
+    "latency, post -> DONE on each decode rank. lag ms: consumer notify -> producer free (median). hold ms: "
+    "producer hold per request. gather/scatter ms: pack only, the producer's gather (done at hold, off the "
+    "critical path; asynchronous on GPU, so not inside hold ms there) and the consumer's scatter (inside the "
+    "window). CPU s d/p: process CPU seconds in the window, decode ranks / prefill ranks. ceiling: one READ per "
+    "(decode rank, source) of the same bytes as a single descriptor, same processes."
 )
 
 

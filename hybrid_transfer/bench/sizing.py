@@ -121,11 +121,14 @@ def ceiling_sizes(spec: BenchSpec) -> CeilingSizes:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes each rank process allocates (caches, verification clone, ceiling buffers)."""
+    """Bytes each rank process holds (its base, caches, verification clone, ceiling buffers, pack staging)."""
 
     prefill_rank_bytes: int
     decode_rank_bytes: int
     total_bytes: int
+
+
+PROCESS_BASE_BYTES = 320 << 20  # a rank process before its caches: Python, torch, NIXL, UCX (~240 MiB measured)
 
 
 def memory_estimate(spec: BenchSpec, ceiling: CeilingSizes) -> MemoryEstimate:
@@ -133,8 +136,11 @@ def memory_estimate(spec: BenchSpec, ceiling: CeilingSizes) -> MemoryEstimate:
     cache_p = gp.num_tensors * gp.page_bytes * pool_blocks(spec, True)
     cache_d = gd.num_tensors * gd.page_bytes * pool_blocks(spec, False)
     clone = 2 if spec.verify else 1  # check_destination_many builds the expected cache beside the real one
-    p = cache_p + ceiling.slots * max(ceiling.src_slot_bytes)
-    d = cache_d * clone + ceiling.slots * max(ceiling.dst_slot_bytes)
+    p = PROCESS_BASE_BYTES + cache_p + ceiling.slots * max(ceiling.src_slot_bytes)
+    d = PROCESS_BASE_BYTES + cache_d * clone + ceiling.slots * max(ceiling.dst_slot_bytes)
+    if spec.mode in (PlanMode.PACK, PlanMode.AUTO):  # staging pools exist in these modes only
+        p += staging_bytes(spec, True)
+        d += staging_bytes(spec, False)
     return MemoryEstimate(p, d, p * spec.prefill_tp + d * spec.decode_tp)
 
 

@@ -31,6 +31,13 @@ class RequestTiming:
     num_bytes: int
     num_descriptors: int
     completion_s: float = 0.0
+    # Pack mode, as the engine reports it (ReadResult): the producer's gather (at hold, off the critical
+    # path), the staging query round trip, the scatter (inside the window), and sources read each way.
+    gather_s: float = 0.0
+    query_s: float = 0.0
+    scatter_s: float = 0.0
+    packed_sources: int = 0
+    fallback_sources: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,6 +91,11 @@ class VariantStats:
     hold_ms: float | None
     consumer_cpu_s: tuple[float, ...]
     producer_cpu_s: tuple[float, ...]
+    gather_ms: float | None = None  # pack: median producer gather per (rank, request); None when nothing was packed
+    query_ms: float | None = None
+    scatter_ms: float | None = None
+    packed_sources: int = 0  # (rank, request, source) reads through staging, whole window
+    fallback_sources: int = 0  # pack / auto sources read directly after all (staging absent or full)
     verified: bool = False
     gbps_rounds: tuple[float, ...] = ()  # every round's GB/s, in round order (the figures are the median round's)
 
@@ -154,6 +166,7 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
     plan_s = [s for p in plans for s in p.plan_s]
     pieces = _per_request_sums([p.pieces for p in plans])
     holds = [s for sv in serves for s in sv.hold_s]
+    packed = [t for t in timings if t.packed_sources]
     return VariantStats(
         variant=variant,
         requests=len(per_request),
@@ -173,6 +186,11 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
         hold_ms=median(holds) * 1e3 if holds else None,
         consumer_cpu_s=tuple(r.cpu_s for r in sorted(runs, key=lambda r: r.rank)),
         producer_cpu_s=tuple(s.cpu_s for s in sorted(serves, key=lambda s: s.rank)),
+        gather_ms=median(t.gather_s for t in packed) * 1e3 if packed else None,
+        query_ms=median(t.query_s for t in packed) * 1e3 if packed else None,
+        scatter_ms=median(t.scatter_s for t in packed) * 1e3 if packed else None,
+        packed_sources=sum(t.packed_sources for t in timings),
+        fallback_sources=sum(t.fallback_sources for t in timings),
     )
 
 

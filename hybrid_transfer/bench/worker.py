@@ -155,6 +155,10 @@ def op_hold(rank: _Rank, request_ids, layouts, nonces):
         ticket = rank.producer.hold(rid, layout.block_ids, layout.num_tokens, nonce=nonce)
         hold_s.append(time.perf_counter() - t0)
         tickets.append(encode_ticket(ticket))
+    # Pack and auto: hold() starts the gather into staging, on the GPU asynchronously. Let it finish before
+    # the window opens, as it would between prefill and decode: it stays off the critical path (the engine
+    # reports it as gather_s), and no stray gather competes with another variant's reads for bandwidth.
+    rank.sync()
     return tickets, hold_s
 
 
@@ -229,8 +233,10 @@ def op_run_engine(rank: _Rank, items, concurrency: int, start_at: float):
                 raise BenchError(f"request ended {r.state.value}: {type(r.error).__name__}: {r.error}",
                                  request_id=r.request_id)
             t0, t1 = in_flight.pop(r.request_id)
-            timings.append(RequestTiming(r.request_id, t0, t1, r.finished_at, c1, r.num_bytes, r.num_descriptors,
-                                         (c1 - c0) / len(results)))
+            timings.append(RequestTiming(
+                r.request_id, t0, t1, r.finished_at, c1, r.num_bytes, r.num_descriptors, (c1 - c0) / len(results),
+                gather_s=r.gather_s, query_s=r.query_s, scatter_s=r.scatter_s,
+                packed_sources=r.num_packed_sources, fallback_sources=r.num_fallback_sources))
     return ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0)
 
 

@@ -65,7 +65,8 @@ def test_fan_out_sweep_with_naive_mode_and_plot(tmp_path):
 
 
 def test_pack_mode_runs_or_is_refused_clearly(tmp_path):
-    """Until the engine executes pack plans (issue 6) the bench refuses them before starting anything."""
+    """Pack rows go through staging (gather at hold, one READ, scatter), all of them; an engine without
+    pack execution is refused before anything starts."""
     try:
         EngineConfig(mode=PlanMode.PACK).validate()
         engine_runs_pack = True
@@ -75,7 +76,11 @@ def test_pack_mode_runs_or_is_refused_clearly(tmp_path):
                        "--verify")
     if engine_runs_pack:
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert json.loads(out.read_text())["verified"] is True
+        doc = json.loads(out.read_text())
+        assert doc["verified"] is True and doc["mode"] == "pack"
+        assert doc["packed_sources"] == 2 and doc["fallback_sources"] == 0  # one source, two requests
+        assert doc["gather_ms"] is not None and doc["scatter_ms"] is not None
+        assert doc["descriptors_per_request"] == 1 and doc["naive_descriptors_per_request"] > 1
     else:
         assert proc.returncode == 2
         assert "not yet supported by the engine" in proc.stderr

@@ -70,3 +70,15 @@ def test_verify_doubles_the_decode_cache_estimate():
     cache = geo.num_tensors * geo.page_bytes * sizing.pool_blocks(plain, False)
     assert sizing.memory_estimate(checked, c).decode_rank_bytes - sizing.memory_estimate(plain, c).decode_rank_bytes \
         == cache
+
+
+def test_pack_adds_each_sides_staging_pool():
+    from hybrid_transfer.plan.types import PlanMode
+
+    plain, pack = BenchSpec(requests=3, concurrency=2), BenchSpec(requests=3, concurrency=2, mode=PlanMode.PACK)
+    c = sizing.ceiling_sizes(plain)
+    a, b = sizing.memory_estimate(plain, c), sizing.memory_estimate(pack, c)
+    assert b.prefill_rank_bytes - a.prefill_rank_bytes == sizing.staging_bytes(pack, True)
+    assert b.decode_rank_bytes - a.decode_rank_bytes == sizing.staging_bytes(pack, False)
+    # A producer stages every request it holds, a consumer only those in flight.
+    assert sizing.staging_bytes(pack, True) > sizing.staging_bytes(pack, False)

@@ -118,3 +118,14 @@ def test_median_round_keeps_one_real_round_and_lists_all():
     assert median_round(rounds[:2]).gbps == 2.0  # even count: the lower middle
     with pytest.raises(ConfigError):
         median_round([])
+
+
+def test_pack_figures_come_from_packed_requests_only():
+    packed = RequestTiming("a", 0.0, 0.001, 0.5, 0.5, 100, 1, gather_s=0.004, query_s=0.001, scatter_s=0.002,
+                           packed_sources=2)
+    fallback = RequestTiming("b", 0.0, 0.001, 0.5, 0.5, 100, 9, fallback_sources=1)
+    s = summarize("pack", [ConsumerRun(0, (packed, fallback), 0.0)])
+    assert (s.gather_ms, s.query_ms, s.scatter_ms) == pytest.approx((4.0, 1.0, 2.0))
+    assert (s.packed_sources, s.fallback_sources) == (2, 1)
+    plain = summarize("coalesced", [ConsumerRun(0, (_t("c", 0.0, 1.0),), 0.0)])
+    assert plain.gather_ms is None and plain.packed_sources == 0
