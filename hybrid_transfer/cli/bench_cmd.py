@@ -83,7 +83,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="fill sources with the global-coordinate pattern and check every byte of every "
                              "decode cache after each variant (outside the timed window)")
     parser.add_argument("--warmup", type=int, default=d.warmup, metavar="N",
-                        help="untimed requests per variant before the timed ones (first READs wire up UCX)")
+                        help="untimed requests per variant before the timed ones (first READs wire up UCX; with "
+                             "pack on CPU use at least --concurrency, so the consumer's new staging pool is "
+                             "paged in before timing)")
     parser.add_argument("--rounds", type=int, default=d.rounds, metavar="K",
                         help="timed rounds of every variant, interleaved (the order rotates each round); figures "
                              "come from each variant's median-GB/s round, every round's GB/s is in the JSON "
