@@ -70,6 +70,7 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rounds: int = 1
     sweep: Sweep = Sweep.NONE
     sweep_values: tuple[float, ...] = ()
+    backend_threads: int = 0  # EngineConfig.num_backend_threads of every rank (0: NIXL's default)
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -77,6 +78,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("prefill_tp", "decode_tp", "requests", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be >= 1")
+        if self.backend_threads < 0:
+            _bad("backend_threads", self.backend_threads, "must be >= 0")
         p, d = self.prefill_tp, self.decode_tp
         if p % d and d % p:
             _bad("decode_tp", d, f"and prefill TP {p}: one must divide the other")

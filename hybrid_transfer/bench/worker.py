@@ -47,6 +47,7 @@ class RankSetup:
     log_level: str = "WARNING"
     poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
     staging_bytes: int = 256 << 20  # pack / auto staging pool (sizing.staging_bytes)
+    backend_threads: int = 0  # EngineConfig.num_backend_threads
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,8 @@ def op_setup(rank: _Rank, setup: RankSetup):
     rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
     if not setup.is_prefill:
         return None
-    config = EngineConfig(mode=PlanMode(setup.mode), staging_bytes=setup.staging_bytes)
+    config = EngineConfig(mode=PlanMode(setup.mode), staging_bytes=setup.staging_bytes,
+                          num_backend_threads=setup.backend_threads)
     rank.producer = Producer(rank.cache, config, engine_id=setup.engine_id,
                              incarnation=setup.incarnation)
     return rank.producer.address, rank.producer.descriptor
@@ -191,7 +193,8 @@ def op_open_consumer(rank: _Rank, mode: str, address: str, producer_descriptors,
 
     if rank.consumer is not None:
         rank.consumer.close()
-    config = EngineConfig(mode=PlanMode(mode), staging_bytes=rank.setup.staging_bytes)
+    config = EngineConfig(mode=PlanMode(mode), staging_bytes=rank.setup.staging_bytes,
+                          num_backend_threads=rank.setup.backend_threads)
     rank.consumer = Consumer(rank.cache, config, engine_id=rank.setup.engine_id)
     rank.consumer.connect(address, timeout_s=timeout_s)
     rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, producer_descriptors)
@@ -283,7 +286,7 @@ def op_ceiling_open(rank: _Rank, slots: int, slot_bytes: int, seed: int):
 
     s = rank.setup
     name = f"{s.engine_id}-ceiling-{'p' if s.is_prefill else 'c'}{s.tp_rank}-{secrets.token_hex(4)}"
-    rank.ceiling = CeilingEnd(name, EngineConfig(), slots, slot_bytes, rank.cache.device)
+    rank.ceiling = CeilingEnd(name, EngineConfig(num_backend_threads=s.backend_threads), slots, slot_bytes, rank.cache.device)
     if s.is_prefill:
         fill_pattern(rank.ceiling.buffer, seed)
         rank.sync()
