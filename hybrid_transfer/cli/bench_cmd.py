@@ -15,24 +15,23 @@ from hybrid_transfer.plan.types import PlanMode
 _DEFAULTS = BenchSpec()
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from exc
-    if not values:
-        raise argparse.ArgumentTypeError("the list is empty")
-    return values
+def _number_list(cast, kind: str):
+    """An argparse type for a comma-separated list of ``cast`` values."""
+
+    def parse(text: str) -> tuple:
+        try:
+            values = tuple(cast(v) for v in text.split(",") if v.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind}") from exc
+        if not values:
+            raise argparse.ArgumentTypeError("the list is empty")
+        return values
+
+    return parse
 
 
-def _float_list(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of numbers") from exc
-    if not values:
-        raise argparse.ArgumentTypeError("the list is empty")
-    return values
+_int_list = _number_list(int, "integers")
+_float_list = _number_list(float, "numbers")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
