@@ -366,13 +366,6 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-def _quiet_nixl(level: str) -> None:
-    """NIXL configures its logger at INFO when imported (one line per agent): import it now, then raise it."""
-    import nixl._api  # noqa: F401 - the import applies NIXL's logging config
-
-    logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
-
-
 def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
@@ -394,7 +387,9 @@ def worker_main(conn) -> None:
                 if op == "setup":
                     level = args[0].log_level.upper()
                     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-                    _quiet_nixl(level)
+                    from hybrid_transfer.engine.agent import quiet_nixl_logging
+
+                    quiet_nixl_logging(level)
                 try:
                     reply = ("ok", _OPS[op](rank, *args))
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the coordinator

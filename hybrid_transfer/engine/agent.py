@@ -43,6 +43,12 @@ def _nixl_api() -> Any:
     return api
 
 
+def quiet_nixl_logging(level: str = "WARNING") -> None:
+    """Keep NIXL's Python logger at ``level`` or above (it sets itself to INFO on import: a line per agent)."""
+    _nixl_api()  # the import applies NIXL's own logging config; override it afterwards
+    logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
+
+
 def _nixl_errors() -> tuple[type[BaseException], ...]:
     bind = _nixl_api().nixlBind
     found = tuple(getattr(bind, n) for n in dir(bind) if n.startswith("nixl") and n.endswith("Error"))
