@@ -30,6 +30,7 @@ from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.handshake import describe_cache
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
@@ -63,7 +64,6 @@ from hybrid_transfer.errors import (
     WireDecodeError,
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
-from hybrid_transfer.plan.rank import describe_rank
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
 
@@ -114,9 +114,7 @@ class Consumer:
         self._pack: PackReader | None = None
         try:
             self.agent.register(cache.regions)
-            regions = cache.regions
-            self.descriptor = describe_rank(self.geometry, [r.addr for r in regions], cache.num_blocks,
-                                            device_id=regions[0].device_id, is_cuda=regions[0].is_cuda)
+            self.descriptor = describe_cache(cache)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,

@@ -27,14 +27,13 @@ from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
+from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer, describe_cache
 from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
 from hybrid_transfer.errors import ConfigError, EngineError, PeerDisconnectedError, RequestStateError, WireDecodeError
 from hybrid_transfer.layout.fingerprint import fingerprint_of
-from hybrid_transfer.plan.rank import describe_rank
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
 
 log = logging.getLogger(__name__)
@@ -95,9 +94,7 @@ class Producer:
         self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)
         try:
             self.agent.register(cache.regions)
-            regions = cache.regions
-            self.descriptor = describe_rank(self.geometry, [r.addr for r in regions], cache.num_blocks,
-                                            device_id=regions[0].device_id, is_cuda=regions[0].is_cuda)
+            self.descriptor = describe_cache(cache)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
