@@ -22,21 +22,9 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# The root conftest's tiny hybrid model (8 layers, 2 KV heads, 1 attention + 3 GDN groups, pages of 1 KiB
-# at TP1), repeated here because conftest modules of two directories cannot import each other.
-TINY = {
-    "num_hidden_layers": 8,
-    "full_attention_interval": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
-    "linear_key_head_dim": 4,
-    "linear_value_head_dim": 4,
-    "linear_conv_kernel_dim": 4,
-    "mamba_ssm_dtype": "float32",
-    "dtype": "bfloat16",
-}
+from tiny_model import TINY_CONFIG
+
+TINY = TINY_CONFIG  # the tests' tiny hybrid model (tests/tiny_model.py)
 IDLE_POLL_S = 0.002  # a worker's wait for the next command between rounds of polling its ranks
 WAIT_POLL_S = 0.0005  # sleep between polls while a command waits for requests to finish
 
