@@ -21,7 +21,9 @@ DOCS = ROOT / "docs"
 CITING = ("hybrid_transfer", "examples", "benchmarks", "scripts", "tests")
 TEXT_SUFFIXES = {".py", ".sh", ".md", ".toml", ".json", ".txt", ".yml", ".yaml", ".cfg", ""}
 
-CITATION = re.compile(r"docs/((?:[\w-]+/)*[\w.-]+\.md)(?:#([\w.-]+))?")
+# An anchor never takes a sentence's final dot.
+CITATION = re.compile(r"docs/((?:[\w-]+/)*[\w.-]+\.md)(?:#([\w-]+(?:\.[\w-]+)*))?")
+SELF = Path(__file__).resolve()  # its own examples below are not citations
 # Built from pieces so this file does not match its own patterns.
 FORBIDDEN = {
     "a design-document section": re.compile(r"\b" + "DES" + r"IGN\b"),
@@ -104,6 +106,8 @@ def _citing_files() -> list[Path]:
 def _citations() -> list[tuple[str, int, str, str | None]]:
     found = []
     for path in _citing_files():
+        if path.resolve() == SELF:
+            continue
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
@@ -160,9 +164,9 @@ def test_the_checks_catch_what_they_should(tmp_path):
     """The patterns themselves: a missing anchor, a duplicate heading, a forbidden citation."""
     page = "# Title\n\n## Same\n\n## Same\n\n## Named { #named }\n\n```\n# not a heading\n```\n"
     assert heading_anchors(page) == ["title", "same", "same_1", "named"]
-    line = "see docs/planner.md#fan-out and docs/layout.md"
-    assert [(m.group(1), m.group(2)) for m in CITATION.finditer(line)] == [("planner.md", "fan-out"),
-                                                                          ("layout.md", None)]
+    line = "see docs/planner.md#fan-out, docs/layout.md and docs/api/engine.md#x."
+    assert [(m.group(1), m.group(2)) for m in CITATION.finditer(line)] == [
+        ("planner.md", "fan-out"), ("layout.md", None), ("api/engine.md", "x")]
     assert FORBIDDEN["a design-document section"].search("(" + "DES" + "IGN 2.3)")
     assert FORBIDDEN["the shared folder"].search("see .." + "/shared/VLLM.md")
     assert "fan-out" in page_anchors(DOCS / "planner.md")
