@@ -1,20 +1,17 @@
 """Every docs page and anchor the code cites exists; the code cites no document outside the repository.
 
-Anchors are computed the way MkDocs' Markdown (the ``toc`` and ``attr_list`` extensions) computes
-them: an explicit ``{ #id }`` on a heading wins, otherwise the heading text is slugified, and a
-repeated slug gets ``_1``, ``_2``, ... A second test holds this computation to Python-Markdown's
-own output on every page, so the first one cannot drift from what the site really has.
+Anchors come from rendering each page with Python-Markdown and the id-making extensions of
+mkdocs.yml, as MkDocs does: an explicit ``{ #id }`` on a heading wins, otherwise the heading text
+is slugified and a repeated slug gets ``_1``, ``_2``, ...; ids set with ``{ #id }`` elsewhere count
+too. A heading inside a code fence makes none.
 """
 
 from __future__ import annotations
 
-import html
 import re
-import unicodedata
 from pathlib import Path
 
 import markdown
-import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -30,68 +27,15 @@ FORBIDDEN = {
     "the shared folder": re.compile(re.escape(".." + "/shared")),
 }
 
-_FENCE = re.compile(r"^(```|~~~)")
-_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-_ATTR_ID = re.compile(r"\s*\{[^}]*#([\w.:-]+)[^}]*\}\s*$")
-_ANY_ATTR_ID = re.compile(r"\{:?\s*#([\w.:-]+)[^}]*\}")
-
-
-def slugify(text: str) -> str:
-    """Python-Markdown's default toc slug: ASCII-fold, drop punctuation, lower-case, runs of spaces -> '-'."""
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode("ascii")
-    text = re.sub(r"[^\w\s-]", "", text).strip().lower()
-    return re.sub(r"[-\s]+", "-", text)
-
-
-def _plain(heading: str) -> str:
-    """The text a heading renders to: links, code spans and emphasis reduced to their words."""
-    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", heading)
-    text = re.sub(r"`([^`]*)`", r"\1", text)
-    text = re.sub(r"(\*\*|\*)(.+?)\1", r"\2", text)
-    text = re.sub(r"<[^>]+>", "", text)
-    return html.unescape(text)
-
-
-def _unique(anchor: str, used: set[str]) -> str:
-    while anchor in used or not anchor:
-        m = re.match(r"^(.*)_([0-9]+)$", anchor)
-        anchor = f"{m.group(1)}_{int(m.group(2)) + 1}" if m else f"{anchor}_1"
-    return anchor
-
-
-def heading_anchors(text: str) -> list[str]:
-    """Anchors of a page's headings, in order (headings inside fenced code blocks are not headings)."""
-    explicit, headings, fenced = set(), [], False
-    for line in text.splitlines():
-        if _FENCE.match(line):
-            fenced = not fenced
-            continue
-        match = None if fenced else _HEADING.match(line)
-        if match is None:
-            continue
-        title = match.group(2)
-        attr = _ATTR_ID.search(title)
-        if attr:
-            explicit.add(attr.group(1))
-            headings.append((attr.group(1), True))
-        else:
-            headings.append((title, False))
-    used = set(explicit)
-    out = []
-    for value, is_id in headings:
-        if is_id:
-            out.append(value)
-        else:
-            anchor = _unique(slugify(_plain(value)), used)
-            used.add(anchor)
-            out.append(anchor)
-    return out
+# The Markdown extensions of mkdocs.yml that create or hide ids (snippets and mermaid fences only add text).
+_EXTENSIONS = ["toc", "attr_list", "md_in_html", "tables", "admonition", "pymdownx.details", "pymdownx.superfences"]
+_ID = re.compile(r'\sid="([^"]+)"')
 
 
 def page_anchors(path: Path) -> set[str]:
-    """Heading anchors plus any explicit ``{ #id }`` attribute elsewhere on the page."""
-    text = path.read_text(encoding="utf-8")
-    return set(heading_anchors(text)) | set(_ANY_ATTR_ID.findall(text))
+    """Every id the page's HTML has: heading anchors (explicit or slugified, ``_1`` for repeats) and attr ids."""
+    md = markdown.Markdown(extensions=_EXTENSIONS)
+    return set(_ID.findall(md.convert(path.read_text(encoding="utf-8"))))
 
 
 def _citing_files() -> list[Path]:
@@ -146,24 +90,11 @@ def test_code_cites_no_outside_document():
     assert not hits, "cite a docs/ page instead:\n" + "\n".join(hits)
 
 
-@pytest.mark.parametrize("page", sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md")))
-def test_anchor_computation_matches_python_markdown(page):
-    text = (DOCS / page).read_text(encoding="utf-8")
-    md = markdown.Markdown(extensions=["toc", "attr_list", "tables", "admonition", "pymdownx.superfences"])
-    md.convert(text)
-
-    def flatten(tokens):
-        for token in tokens:
-            yield token["id"]
-            yield from flatten(token["children"])
-
-    assert heading_anchors(text) == list(flatten(md.toc_tokens))
-
-
 def test_the_checks_catch_what_they_should(tmp_path):
-    """The patterns themselves: a missing anchor, a duplicate heading, a forbidden citation."""
-    page = "# Title\n\n## Same\n\n## Same\n\n## Named { #named }\n\n```\n# not a heading\n```\n"
-    assert heading_anchors(page) == ["title", "same", "same_1", "named"]
+    """The patterns themselves: repeated and explicit headings, code fences, citations, forbidden words."""
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Same\n\n## Same\n\n## Named { #named }\n\n```\n# not a heading\n```\n")
+    assert page_anchors(page) == {"title", "same", "same_1", "named"}
     line = "see docs/planner.md#fan-out, docs/layout.md and docs/api/engine.md#x."
     assert [(m.group(1), m.group(2)) for m in CITATION.finditer(line)] == [
         ("planner.md", "fan-out"), ("layout.md", None), ("api/engine.md", "x")]
