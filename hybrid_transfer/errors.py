@@ -352,3 +352,21 @@ class TicketParamsError(WireDecodeError):
         super().__init__(f"ticket params field {field!r}: {message}", kind="ticket")
         self.field = field
         self.value = value
+
+
+class EngineSpecMismatch(ConfigError):
+    """A serving engine's live cache disagrees with the model registry (layout/engine_spec.py).
+
+    ``differences`` lists (field, the engine's value, the registry's value) for every disagreement;
+    ``fields`` their names.
+    """
+
+    def __init__(self, differences: Sequence[tuple[str, Any, Any]]):
+        self.differences = tuple(differences)
+        parts = "; ".join(f"{name}: engine={eng!r} registry={reg!r}" for name, eng, reg in self.differences)
+        super().__init__(f"the engine's cache disagrees with the model registry: {parts}",
+                         field=self.differences[0][0] if self.differences else None)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.differences)
