@@ -205,6 +205,17 @@ def to_our_group_order(engine_block_ids: Sequence[Sequence[int]], order: Sequenc
     return tuple(tuple(int(b) for b in engine_block_ids[j]) for j in order)
 
 
+def to_engine_group_order(our_block_ids: Sequence[Sequence[int]], order: Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """The inverse of ``to_our_group_order``: per-group block ids in our order -> in the engine's."""
+    if len(our_block_ids) != len(order):
+        raise ConfigError(f"{len(our_block_ids)} groups of block ids, the engine has {len(order)}",
+                          field="block_ids", value=len(our_block_ids))
+    out: list[tuple[int, ...]] = [()] * len(order)
+    for ours, j in enumerate(order):
+        out[j] = tuple(int(b) for b in our_block_ids[ours])
+    return tuple(out)
+
+
 def engine_groups_of(model: ModelSpec) -> tuple[EngineGroup, ...]:
     """The registry's own groups as EngineGroups (attention first): what a matching engine reports, reordered."""
     return tuple(EngineGroup(kind=g.kind, layers=g.layers) for g in build_tensor_map(model).groups)

@@ -24,6 +24,7 @@ from hybrid_transfer.layout.engine_spec import (
     EngineStateSpec,
     engine_group_order,
     geometry_from_engine_spec,
+    to_engine_group_order,
     to_our_group_order,
 )
 
@@ -181,6 +182,7 @@ def test_engine_group_order_maps_the_engines_order_to_ours(tiny_model):
     assert order == (3, 0, 1, 2)
     assert [engine[j].kind for j in order] == [g.kind for g in tensor_map.groups]
     assert to_our_group_order(([1], [2], [3], [4, 5, 6]), order) == ((4, 5, 6), (1,), (2,), (3,))
+    assert to_engine_group_order(((4, 5, 6), (1,), (2,), (3,)), order) == ((1,), (2,), (3,), (4, 5, 6))
     assert engine_group_order(tensor_map, [EngineGroup(g.kind, g.layers) for g in tensor_map.groups]) == (0, 1, 2, 3)
     with pytest.raises(ConfigError) as info:
         engine_group_order(tensor_map, engine[:2] + (EngineGroup(LayerKind.GDN, (0, 1)), engine[3]))
