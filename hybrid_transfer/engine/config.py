@@ -95,6 +95,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost: auto mode's cost parameters; None: calibrate at consumer start (``calibrate``), else the defaults.
     calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s).
     prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
+    max_pending_handshakes: consumer agents a producer rank remembers between their handshake and their
+        Hello; beyond it the oldest is forgotten (a flood of handshakes cannot grow memory).
+    pending_handshake_s: how long a producer rank waits for a Hello after a handshake, on its own clock.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -111,6 +114,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staging_bytes: int = 256 << 20
     cost: CostParams | None = None
     calibrate: bool = True
+    max_pending_handshakes: int = 1024
+    pending_handshake_s: float = 60.0
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -118,7 +123,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
         if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
-        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s"):
+        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s",
+                     "pending_handshake_s"):
             value = getattr(self, name)
             if name == "heartbeat_interval_s" and value is None:
                 continue
@@ -128,6 +134,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
         if not isinstance(self.progress_delay_us, int) or self.progress_delay_us < 0:
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
+        if not _is_int(self.max_pending_handshakes) or self.max_pending_handshakes < 1:
+            _bad("max_pending_handshakes", self.max_pending_handshakes, "must be a positive integer")
         if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
             _bad("num_backend_threads", self.num_backend_threads, "must be a non-negative integer")
         if not isinstance(self.mode, PlanMode):
@@ -148,6 +156,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.heartbeat_interval_s is not None:
             return float(self.heartbeat_interval_s)
         return min(5.0, self.lease_s / 4)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bad(field: str, value: object, why: str) -> None:

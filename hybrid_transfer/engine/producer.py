@@ -2,8 +2,8 @@
 
 Threads: the thread that builds a Producer owns it and its NIXL agent (hold, poll,
 close). A named daemon thread answers handshakes from immutable, precomputed data
-(handshake.ProducerCard) and passes the names of accepted consumer agents back
-through a queue.
+(handshake.ProducerCard) and records the names of accepted consumer agents in a
+locked, bounded table (pending.py) until they say Hello.
 
 Lifecycle (issue 5; the rules live in holds.py): leases on this rank's clock, renewed by
 consumer heartbeats; aborts that revoke the ticket at every consumer agent that may read it;
@@ -15,7 +15,6 @@ with a Welcome listing revoked tickets; a Bye, or NIXL reporting them disconnect
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import time
 import uuid
@@ -29,6 +28,7 @@ from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer, describe_cache
 from hybrid_transfer.engine.holds import Heard, HoldBook
+from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
@@ -65,6 +65,8 @@ class ProducerStats:
     byes: int = 0
     revokes_sent: int = 0
     notify_failures: int = 0  # a Welcome or Revoke that could not be sent (the agent is then forgotten)
+    handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
+    handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
 
 
 class Producer:
@@ -100,7 +102,9 @@ class Producer:
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
                 self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
-            self._accepted: queue.SimpleQueue[str] = queue.SimpleQueue()
+            # Consumer agents between handshake and Hello; the listener thread adds to it (pending.py).
+            self._pending = PendingHandshakes(clock, self.config.pending_handshake_s,
+                                              self.config.max_pending_handshakes)
             self.listener_stats = ListenerStats()
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
@@ -114,8 +118,7 @@ class Producer:
         self.stats = ProducerStats()
         self.fences = StepFences()
         self._book = HoldBook(clock, self.config.lease_s, self.fences)
-        self._known_agents: set[str] = set()  # consumer agents whose handshake this rank accepted
-        self._welcomed: set[str] = set()  # ... which said Hello and were welcomed: the only possible readers
+        self._welcomed: set[str] = set()  # consumer agents that said Hello and were welcomed: the only readers
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -141,7 +144,7 @@ class Producer:
         staged = self.stager.respond(data) if self.stager is not None else None
         if staged is not None:
             return staged
-        return answer(card, data, self.listener_stats, self._accepted.put) if card is not None else None
+        return answer(card, data, self.listener_stats, self._pending.add) if card is not None else None
 
     # ---- requests -----------------------------------------------------------------
     def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int, *,
@@ -201,6 +204,11 @@ class Producer:
         return self._book.num_pinned_blocks
 
     @property
+    def num_pending_handshakes(self) -> int:
+        """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see pending.py)."""
+        return len(self._pending)
+
+    @property
     def terminal_counts(self) -> dict[str, int]:
         """Holds that ended, by terminal state (freed / expired / aborted)."""
         return dict(self._book.terminal_counts)
@@ -236,11 +244,9 @@ class Producer:
         aborted) and the step fences of its blocks have passed.
         """
         self._check_open()
-        while True:
-            try:
-                self._known_agents.add(self._accepted.get_nowait())
-            except queue.Empty:
-                break
+        self._pending.expire()
+        self.stats.handshakes_evicted = self._pending.num_evicted
+        self.stats.handshakes_expired = self._pending.num_expired
         for sender, messages in self.agent.get_notifs().items():
             for message in messages:
                 self._on_notification(sender, message)
@@ -267,7 +273,7 @@ class Producer:
                 isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
             self.stats.malformed += 1
             return
-        if sender not in self._known_agents:
+        if sender not in self._welcomed and sender not in self._pending:
             self.stats.unknown_agent += 1
             log.warning("producer %s: notification from %s, which never handshaked", self.agent.name, sender)
             return
@@ -332,6 +338,7 @@ class Producer:
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
         if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))):
             self._welcomed.add(sender)
+            self._pending.discard(sender)
             self.stats.hellos += 1
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
@@ -356,7 +363,7 @@ class Producer:
 
     def _forget(self, agent: str) -> None:
         """A consumer agent reads nothing from here any more: drop it, and stop waiting for its acks."""
-        self._known_agents.discard(agent)
+        self._pending.discard(agent)
         self._welcomed.discard(agent)
         self._book.forget_agent(agent)
         try:

@@ -11,9 +11,21 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
+from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
+
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the listener looks at its stop flag; close() waits at most this long
+
+
+def _limit_frames(sock: zmq.Socket) -> None:
+    """ZeroMQ drops a peer whose frame header announces more than MAX_MESSAGE_BYTES, before buffering it.
+
+    Without this a 1 GiB frame is received whole and only then refused by the decoder. The limit is per
+    frame: libzmq still assembles every frame of a multipart message before delivering it, and has no
+    cap on their number; ours are one frame (DEALER) or two (REQ).
+    """
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
 
 
 class HandshakeServer:
@@ -33,6 +45,7 @@ class HandshakeServer:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting consumer keeps its identity
+        _limit_frames(self._sock)
         if port:
             self._sock.bind(f"tcp://{host}:{port}")
         else:
@@ -110,6 +123,7 @@ class HandshakeClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 64)
+            _limit_frames(sock)
             sock.connect(address)
             self._socks[address] = sock
             self._poller.register(sock, zmq.POLLIN)
