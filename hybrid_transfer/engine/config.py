@@ -59,6 +59,7 @@ class PrepStrategy(enum.Enum):
 
 
 _STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
 class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -75,7 +76,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings shared by producers and consumers; every field has a default that works on loopback.
 
     side_channel_host / side_channel_port: where a producer's handshake listener binds (port 0 picks a
-        free port; read it back from ``Producer.address``).
+        free port; read it back from ``Producer.address``). A wildcard (0.0.0.0, ::, *) binds every
+        interface and then needs ``advertise_host``.
+    advertise_host: the host name or address of this rank that tickets and handshake replies give
+        to consumers (with the bound port); None: side_channel_host, which must then not be a wildcard.
     handshake_timeout_s: how long a consumer waits for every rank of a producer engine to answer.
     read_deadline_s: how long a consumer request may wait for handshakes and its READs before it fails.
     lease_s: how long a producer pins a request's blocks, on its own clock; carried in tickets.
@@ -102,6 +106,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
+    advertise_host: str | None = None
     handshake_timeout_s: float = 10.0
     read_deadline_s: float = 60.0
     lease_s: float = 120.0
@@ -123,6 +128,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
         if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
+        self._validate_advertise_host()
         for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s",
                      "pending_handshake_s"):
             value = getattr(self, name)
@@ -149,6 +155,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                     _bad(f"cost.{name}", value, "must be a non-negative, finite number of seconds")
         return self
+
+    def _validate_advertise_host(self) -> None:
+        host = self.advertise_host
+        if host is None:
+            if self.side_channel_host in WILDCARD_HOSTS:
+                _bad("advertise_host", host, f"must be set when side_channel_host={self.side_channel_host!r}: "
+                     "a wildcard binds every interface, but no other host can connect to it; advertise an "
+                     "address of this host that consumers reach")
+            return
+        if not isinstance(host, str) or not host or host in WILDCARD_HOSTS or any(
+                c in host for c in "/ \t\n"):
+            _bad("advertise_host", host, "must be a host name or address other hosts can reach (not a wildcard, "
+                 "not a URL)")
 
     @property
     def heartbeat_every_s(self) -> float:

@@ -108,7 +108,8 @@ class Producer:
             self.listener_stats = ListenerStats()
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
-                                           self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}")
+                                           self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}",
+                                           advertise_host=self.config.advertise_host)
             self.address = self._server.address
             self._set_card(() if self.tp_size > 1 else (self.address,))
             self._server.start()
