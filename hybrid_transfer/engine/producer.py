@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
@@ -85,8 +85,8 @@ class Producer:
         self.config = (config or EngineConfig()).validate()
         self.cache = cache
         self.geometry = cache.geometry
-        self.engine_id = engine_id or uuid.uuid4().hex[:12]
-        self.incarnation = incarnation if incarnation is not None else secrets.randbits(62)
+        self.engine_id = inputs.engine_id(engine_id) if engine_id is not None else uuid.uuid4().hex[:12]
+        self.incarnation = inputs.nonce("incarnation", incarnation) if incarnation is not None else secrets.randbits(62)
         self.tp_rank, self.tp_size = self.geometry.tp_rank, self.geometry.tp_size
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
@@ -159,10 +159,17 @@ class Producer:
         Raises:
             RequestStateError: the request is already held.
             PlanError (subclasses): block ids of the wrong count, out of range or repeated.
-            ConfigError: a rank other than 0 without rank 0's nonce, or engine addresses not set.
+            ConfigError: a rank other than 0 without rank 0's nonce, engine addresses not set, or an
+                argument of the wrong type or range (``field`` names it): request_id a non-empty str,
+                num_tokens an int >= 0, nonce an int in [0, 2**63); bools are not ints.
             FenceError: a step marked as writing one of the blocks (mark_blocks_written) has not finished.
         """
         self._check_open()
+        request_id = inputs.request_id(request_id)
+        num_tokens = inputs.count("num_tokens", num_tokens)
+        if nonce is not None:
+            nonce = inputs.nonce("nonce", nonce)
+        inputs.block_id_lists("producer", block_ids_per_group)
         if self._book.get(request_id) is not None:
             raise RequestStateError("is already held", request_id=request_id, state=HoldState.HELD.value)
         if nonce is None and self.tp_rank != 0:
@@ -170,14 +177,11 @@ class Producer:
         if len(self.engine_addresses) != self.tp_size:
             raise ConfigError("call set_engine_addresses() before hold() on a multi-rank engine",
                               field="engine_addresses")
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ConfigError(f"num_tokens={num_tokens!r} must be a non-negative integer", field="num_tokens",
-                              value=num_tokens)
         ids = block_id_arrays("producer", block_ids_per_group, len(self._kinds))
         validate_block_ids("producer", ids, self._kinds, num_tokens, self.geometry.block_size,
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
-        nonce = secrets.randbits(63) if nonce is None else int(nonce)
+        nonce = secrets.randbits(63) if nonce is None else nonce
         self._book.add(request_id, nonce, block_ids, num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)

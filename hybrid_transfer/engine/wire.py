@@ -22,6 +22,7 @@ listener thread must stay a pure responder (side_channel.py).
 from __future__ import annotations
 
 import enum
+import re
 from typing import Annotated, Any
 
 import msgspec
@@ -275,16 +276,66 @@ def decode_ticket(data: bytes) -> Ticket:
     """A ticket from bytes (as handed over by the embedder).
 
     Raises:
-        WireDecodeError: not a ticket, or of another protocol version.
+        WireDecodeError: not a ticket, a field of the wrong type or out of range (named with its
+            value), or of another protocol version.
     """
     try:
         ticket = _TICKET_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+    except msgspec.ValidationError as exc:
+        raise WireDecodeError(f"invalid ticket: {_named(data, exc)}", kind="ticket") from exc
+    except (msgspec.DecodeError, TypeError) as exc:
         raise WireDecodeError(f"not a ticket: {exc}") from exc
     if ticket.version != PROTOCOL_VERSION:
         raise WireDecodeError(f"ticket of protocol version {ticket.version}, this side speaks {PROTOCOL_VERSION}",
                               version=ticket.version, kind="ticket")
     return ticket
+
+
+def check_ticket(ticket: object) -> Ticket:
+    """An in-process ticket, checked exactly as one decoded from bytes (msgspec does not check at construction).
+
+    Raises:
+        WireDecodeError: not a Ticket, or a field that could not travel (named with its value).
+    """
+    if not isinstance(ticket, Ticket):
+        raise WireDecodeError(f"expected a Ticket, got {type(ticket).__name__} (decode bytes with decode_ticket)",
+                              kind="ticket")
+    try:
+        data = encode_ticket(ticket)
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        for field in Ticket.__struct_fields__:
+            value = getattr(ticket, field)
+            try:
+                _ENCODER.encode(value)
+            except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+                raise WireDecodeError(f"invalid ticket: {field}={_short(value)} cannot be encoded: {exc}",
+                                      kind="ticket") from exc
+        raise
+    return decode_ticket(data)
+
+
+_PATH_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]")
+
+
+def _named(data: bytes, exc: msgspec.ValidationError) -> str:
+    """msgspec's message led by the offending field and its value: 'num_tokens=-1: Expected `int` >= 0 ...'."""
+    message = str(exc)
+    head, sep, path = message.rpartition(" - at `$")
+    if not sep:
+        return message
+    path = path.rstrip("`")
+    try:
+        value = msgspec.msgpack.decode(data)
+        for key, index in _PATH_STEP.findall(path):
+            value = value[key] if key else value[int(index)]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        return message
+    return f"{path.lstrip('.')}={_short(value)}: {head}"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} long)"
 
 
 # ---- pack mode (issue 6): where a producer rank staged a request (engine/stager.py) ---------------
