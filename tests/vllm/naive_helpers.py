@@ -355,3 +355,42 @@ class VllmPull:
         return reads
 
 
+
+
+@dataclass
+class OurRead:
+    """One source's READ in our naive plan: descriptor count and planned bytes."""
+
+    source_rank: int
+    descriptors: int
+    nbytes: int
+
+
+def our_model(name: str):
+    from hybrid_transfer.layout import load_preset, model_from_config
+
+    if name == TINY:
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from tiny_model import TINY_CONFIG
+
+        return model_from_config(TINY_CONFIG, name=TINY)
+    return load_preset(name)
+
+
+def our_naive_reads(name: str, pull: VllmPull, num_tokens: int, decode_rank: int = 0) -> list[OurRead]:
+    """Our planner's naive plan for the request ``pull`` moves, with vLLM's block and kernel sizes."""
+    from hybrid_transfer.cli.plan_cmd import plan_all
+    from hybrid_transfer.layout import CacheOptions
+    from hybrid_transfer.plan.types import PlanMode
+
+    def options(engine: Engine, worker) -> CacheOptions:
+        # the worker's block_size is the kernel block it settled on (select_common_block_size)
+        return CacheOptions(block_size=engine.block_size, kernel_block_size=worker.block_size)
+
+    prefill = options(pull.prefill, pull.producers[0])
+    decode = options(pull.decode, pull.consumer)
+    [plan] = plan_all(our_model(name), pull.prefill.tp_size, pull.decode.tp_size, prefill, decode, num_tokens,
+                      PlanMode.NAIVE, 0.0, 0, decode_rank)
+    return [OurRead(s.source_rank, s.num_descriptors, s.total_bytes) for s in plan.sources]
