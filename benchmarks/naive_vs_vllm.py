@@ -27,6 +27,8 @@ TOKENS = {nh.TINY: (1, 16, 39, 255, 2047), nh.QWEN35_08B: (1, 543, 545, 2047)}
 TP_PAIRS = ((1, 1), (2, 1), (1, 2))
 # (label, prefill block size, decode block size): forced logical block sizes, tiny model, TP1 -> TP1
 BLOCK_PAIRS = (("B16 -> B32", 16, 32), ("B32 -> B16", 32, 16))
+# tiny model only: more prefill ranks than KV heads, and more decode ranks than KV heads
+TINY_WIDE_PAIRS = ((4, 1), (1, 4))
 REFUSALS: dict[str, str] = {}  # config -> the error vLLM's worker raised
 
 
@@ -77,6 +79,13 @@ def main() -> None:
         engines = {tp: nh.build_engine(model, tp, blocks) for tp in (1, 2)}
         for p, d in TP_PAIRS:
             rows += rows_for(model, f"TP{p} -> TP{d}", engines[p], engines[d], TOKENS[model])
+    wide = {tp: nh.build_engine(nh.TINY, tp, BLOCKS[nh.TINY]) for tp in (1, 4)}
+    for p, d in TINY_WIDE_PAIRS:
+        rows += rows_for(nh.TINY, f"TP{p} -> TP{d}", wide[p], wide[d], (39,))
+    for model, tokens in ((nh.TINY, (39, 255)), (nh.QWEN35_08B, (545, 2047))):
+        # a kernel of fixed 16-token blocks under a larger logical block (ratio > 1)
+        fixed = nh.build_engine(model, 1, BLOCKS[model], block_size=32, backend=nh.kernel_backend(fixed=16))
+        rows += rows_for(model, f"TP1 -> TP1, B{fixed.block_size} kernel 16", fixed, fixed, tokens)
     for label, bp, bd in BLOCK_PAIRS:
         sizes = {b: nh.build_engine(nh.TINY, 1, BLOCKS[nh.TINY], block_size=b) for b in {bp, bd}}
         rows += rows_for(nh.TINY, f"TP1 -> TP1, {label}", sizes[bp], sizes[bd], (39, 255))
