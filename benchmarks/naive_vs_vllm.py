@@ -40,32 +40,18 @@ def rows_for(model: str, label: str, prefill: nh.Engine, decode: nh.Engine, toke
         except Exception as exc:  # noqa: BLE001 (a refusal is a result here)
             REFUSALS[f"{model}, {label}"] = f"{type(exc).__name__}: {str(exc).splitlines()[0]}"
             for n in tokens:
-                ours = nh.our_naive_reads(model, _Plain(prefill, decode), n, rank)
+                ours = nh.our_naive_reads(model, prefill, decode, n, rank)
                 for o in ours:
                     yield (model, label, n, rank, o.source_rank, "refused", o.descriptors, "-", f"{o.nbytes:,}")
             continue
         for n, theirs in per_tokens:
-            ours = {o.source_rank: o for o in nh.our_naive_reads(model, pull, n, rank)}
+            ours = {o.source_rank: o for o in nh.our_naive_reads(model, prefill, decode, n, rank, pull.kernel_sizes)}
             for t in theirs:
                 o = ours.pop(t.source_rank, None)
                 yield (model, label, n, rank, t.source_rank, t.descriptors, o.descriptors if o else "-",
                        f"{t.nbytes:,}", f"{o.nbytes:,}" if o else "-")
             for o in ours.values():
                 yield (model, label, n, rank, o.source_rank, "-", o.descriptors, "-", f"{o.nbytes:,}")
-
-
-class _Plain:
-    """What our_naive_reads needs when vLLM's worker never got built: engines and their kernel sizes."""
-
-    def __init__(self, prefill: nh.Engine, decode: nh.Engine):
-        self.prefill, self.decode = prefill, decode
-        self.producers = [_Kernel(prefill)]
-        self.consumer = _Kernel(decode)
-
-
-class _Kernel:
-    def __init__(self, engine: nh.Engine):
-        self.block_size = engine.block_size  # FlashAttention-like kernels keep the logical block
 
 
 def main() -> None:

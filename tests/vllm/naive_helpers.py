@@ -320,6 +320,11 @@ class VllmPull:
         self.consumer._engine_clock_offset["prefill"] = 0.0
         self._requests = 0
 
+    @property
+    def kernel_sizes(self) -> tuple[int, int]:
+        """(prefill, decode) attention kernel block sizes: a worker's block_size after its kernel check."""
+        return self.producers[0].block_size, self.consumer.block_size
+
     def read(self, num_tokens: int) -> list[VllmRead]:
         """The READs the worker posts for one request of ``num_tokens`` tokens, one per source rank."""
         from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import RemoteMeta, ReqMeta
@@ -379,18 +384,19 @@ def our_model(name: str):
     return load_preset(name)
 
 
-def our_naive_reads(name: str, pull: VllmPull, num_tokens: int, decode_rank: int = 0) -> list[OurRead]:
-    """Our planner's naive plan for the request ``pull`` moves, with vLLM's block and kernel sizes."""
+def our_naive_reads(name: str, prefill: Engine, decode: Engine, num_tokens: int, decode_rank: int = 0,
+                    kernel_sizes: tuple[int | None, int | None] = (None, None)) -> list[OurRead]:
+    """Our planner's naive plan of one request between the two engines, with their block sizes.
+
+    ``kernel_sizes``: (prefill, decode) attention kernel block sizes; None keeps the logical block.
+    ``VllmPull.kernel_sizes`` gives the ones vLLM's workers settled on.
+    """
     from hybrid_transfer.cli.plan_cmd import plan_all
     from hybrid_transfer.layout import CacheOptions
     from hybrid_transfer.plan.types import PlanMode
 
-    def options(engine: Engine, worker) -> CacheOptions:
-        # the worker's block_size is the kernel block it settled on (select_common_block_size)
-        return CacheOptions(block_size=engine.block_size, kernel_block_size=worker.block_size)
-
-    prefill = options(pull.prefill, pull.producers[0])
-    decode = options(pull.decode, pull.consumer)
-    [plan] = plan_all(our_model(name), pull.prefill.tp_size, pull.decode.tp_size, prefill, decode, num_tokens,
+    prefill_opts = CacheOptions(block_size=prefill.block_size, kernel_block_size=kernel_sizes[0])
+    decode_opts = CacheOptions(block_size=decode.block_size, kernel_block_size=kernel_sizes[1])
+    [plan] = plan_all(our_model(name), prefill.tp_size, decode.tp_size, prefill_opts, decode_opts, num_tokens,
                       PlanMode.NAIVE, 0.0, 0, decode_rank)
     return [OurRead(s.source_rank, s.num_descriptors, s.total_bytes) for s in plan.sources]

@@ -88,9 +88,70 @@ def test_tiny_model_figures_from_the_contract_notes(pulls, tokens, descriptors):
     assert [r.descriptors for r in pulls(nh.TINY, 1, 1, 0).read(tokens)] == [descriptors]
 
 
-def test_vllm_refuses_a_prefill_block_larger_than_the_decode_block(engines):
-    """vLLM has no path when the prefill block does not divide the decode block (here 32 -> 16 tokens)."""
+def test_vllm_refuses_a_prefill_block_larger_than_the_decode_block_and_naive_plans_it(engines):
+    """vLLM has no path when the prefill block does not divide the decode block (here 32 -> 16 tokens).
+
+    Our naive keeps its rule there: whole source pages, one descriptor per (slot, source page,
+    destination page it lands in, head), so 39 tokens (two 32-token pages into three 16-token ones,
+    2 KV heads, 2 slots) take 2 * 3 * 2 attention descriptors, plus 4 per GDN layer.
+    """
     small, large = engines(nh.TINY, 1), engines(nh.TINY, 1, block_size=32)
     assert (small.block_size, large.block_size) == (16, 32)
     with pytest.raises(AssertionError, match="not divisible"):
         nh.VllmPull(large, small).read(39)
+    [ours] = nh.our_naive_reads(nh.TINY, large, small, 39)
+    assert ours.descriptors == 2 * 3 * 2 + 6 * 4
+
+
+# Beyond the three TP pairs: more ranks than KV heads on either side (tiny: 2 KV heads), where vLLM
+# reads attention only from the prefill ranks holding distinct heads.
+WIDE_CASES = [(nh.TINY, 4, 1, 39), (nh.TINY, 1, 4, 39)]
+
+
+def _assert_same_reads(pull: nh.VllmPull, model: str, tokens: int, rank: int) -> None:
+    theirs = [(r.source_rank, r.descriptors, r.nbytes) for r in pull.read(tokens)]
+    ours = [(r.source_rank, r.descriptors, r.nbytes)
+            for r in nh.our_naive_reads(model, pull.prefill, pull.decode, tokens, rank, pull.kernel_sizes)]
+    assert ours == theirs, (model, tokens, rank)
+
+
+@pytest.mark.parametrize(("model", "p", "d", "tokens"), CASES + WIDE_CASES)
+def test_our_naive_posts_what_vllm_posts(pulls, model, p, d, tokens):
+    """Per decode rank: the same source ranks, per source the same descriptors and the same bytes.
+
+    Bytes: both move whole attention pages, the unused tail of the last one included.
+    """
+    for rank in range(d):
+        _assert_same_reads(pulls(model, p, d, rank), model, tokens, rank)
+
+
+@pytest.mark.parametrize(("model", "tokens"), [(nh.TINY, 39), (nh.TINY, 255), (nh.QWEN35_08B, 545)])
+def test_a_fixed_kernel_block_smaller_than_the_logical_block(engines, model, tokens):
+    """A 16-token kernel under a larger logical block: both move every kernel page of the logical blocks."""
+    engine = engines(model, 1, block_size=32, backend=nh.kernel_backend(fixed=16))
+    pull = nh.VllmPull(engine, engine)
+    assert pull.consumer._physical_blocks_per_logical_kv_block == engine.block_size // 16 > 1
+    _assert_same_reads(pull, model, tokens, 0)
+
+
+@pytest.mark.parametrize("tokens", [39, 255])
+def test_a_larger_decode_block_costs_naive_one_descriptor_per_head(engines, tokens):
+    """Prefill block 16 -> decode block 32 (tiny, TP1): same bytes, one descriptor per (page, head) for us.
+
+    vLLM reads each 16-token source page whole into half of a 32-token page and reorders the received
+    pages afterwards on the device (``post_process_device_kv_on_receive``). Our naive writes each byte
+    where it belongs, and in ``[heads][tokens][K|V]`` a source page's heads are not adjacent in the
+    larger destination page, so its attention descriptors are vLLM's times the KV heads per rank.
+    """
+    small, large = engines(nh.TINY, 1), engines(nh.TINY, 1, block_size=32)
+    pull = nh.VllmPull(small, large)
+    [theirs] = pull.read(tokens)
+    [ours] = nh.our_naive_reads(nh.TINY, small, large, tokens, 0, pull.kernel_sizes)
+    assert ours.nbytes == theirs.nbytes
+    groups = large.kv_cache_config.kv_cache_groups
+    is_attn = nh.group_is_attention(large.kv_cache_config)
+    slots = len(groups[0].layer_names)
+    state = sum(not a for a in is_attn) * slots * 4
+    heads = large.vllm_config.model_config.get_num_kv_heads(large.vllm_config.parallel_config)
+    assert heads > 1
+    assert ours.descriptors - state == (theirs.descriptors - state) * heads
