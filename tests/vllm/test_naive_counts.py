@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM tests run in the vLLM environment: see scripts/vllm_env.sh")
+# "vllm.config", not "vllm": without vLLM installed, "vllm" resolves to this tests/vllm directory.
+pytest.importorskip("vllm.config", reason="vLLM tests run in the vLLM environment: see scripts/vllm_env.sh")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import naive_helpers as nh  # noqa: E402
