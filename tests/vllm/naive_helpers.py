@@ -31,7 +31,6 @@ import torch
 
 TINY = "tiny"
 QWEN35_08B = "qwen3.5-0.8b"
-_PRESETS_DIR = Path(__file__).resolve().parents[2] / "hybrid_transfer" / "layout" / "presets"
 
 # Sizes vLLM's model config wants but the cache never sees; small so nothing large is built.
 _UNUSED_SIZES = {
@@ -55,7 +54,9 @@ def cache_fields(name: str) -> dict:
         from tiny_model import TINY_CONFIG
 
         return {k: TINY_CONFIG[k] for k in _CACHE_KEYS}
-    text = json.loads((_PRESETS_DIR / f"{name}.json").read_text())["text_config"]
+    from hybrid_transfer.layout import presets
+
+    text = json.loads((Path(presets.__file__).parent / f"{name}.json").read_text())["text_config"]
     kinds = text["layer_types"]
     interval = kinds.index("full_attention") + 1
     expected = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(len(kinds))]
