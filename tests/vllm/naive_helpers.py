@@ -45,15 +45,22 @@ _CACHE_KEYS = (
 )
 
 
+def _tiny_config() -> dict:
+    """The tests' tiny model (tests/tiny_model.py), the one every other test moves."""
+    import sys
+
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    if tests_dir not in sys.path:
+        sys.path.insert(0, tests_dir)
+    from tiny_model import TINY_CONFIG
+
+    return TINY_CONFIG
+
+
 def cache_fields(name: str) -> dict:
     """The cache-shaping fields of a model: the tests' tiny model or a packaged preset."""
     if name == TINY:
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tiny_model import TINY_CONFIG
-
-        return {k: TINY_CONFIG[k] for k in _CACHE_KEYS}
+        return {k: _tiny_config()[k] for k in _CACHE_KEYS}
     from hybrid_transfer.layout import presets
 
     text = json.loads((Path(presets.__file__).parent / f"{name}.json").read_text())["text_config"]
@@ -376,12 +383,7 @@ def our_model(name: str):
     from hybrid_transfer.layout import load_preset, model_from_config
 
     if name == TINY:
-        import sys
-
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from tiny_model import TINY_CONFIG
-
-        return model_from_config(TINY_CONFIG, name=TINY)
+        return model_from_config(_tiny_config(), name=TINY)
     return load_preset(name)
 
 
