@@ -88,8 +88,9 @@ class Producer:
     Args:
         cache: this rank's cache (its geometry gives tp_rank and tp_size).
         config: engine settings (validated here).
-        engine_id, incarnation: the producer engine's identity; pass the same values on every rank
-            of the engine (defaults: random, fine for a one-rank engine).
+        engine_id: the producer engine's name; pass the same value on every rank of the engine
+            (default: random, fine for a one-rank engine).
+        incarnation: distinguishes a restarted engine from its predecessor; same rule as ``engine_id``.
         clock: monotonic seconds, injectable for tests.
     """
 
