@@ -29,3 +29,17 @@ from vllm_engine import write_tiny_model  # noqa: E402
 def model_dir(tmp_path_factory) -> Path:
     """One local tiny Qwen3-Next config for every engine of the session (same model name on both sides)."""
     return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-qwen3-next")
+
+
+@pytest.fixture(scope="session")
+def hosts():
+    """Two host processes for the whole session: one for prefill ranks, one for decode ranks."""
+    import multiprocessing as mp
+
+    from rank_host import Host
+
+    ctx = mp.get_context("spawn")
+    pair = {"prefill": Host(ctx, "prefill-host"), "decode": Host(ctx, "decode-host")}
+    yield pair
+    for host in pair.values():
+        host.close()
