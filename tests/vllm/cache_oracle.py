@@ -31,10 +31,9 @@ def _zero_tail(image: HybridCache, layout: RequestLayout) -> None:
         for layer in group.layers:
             views = (image.k(layer), image.v(layer)) if hasattr(image, "k") else (image.kv(layer)[:, 0], image.kv(layer)[:, 1])  # TEMPORARY until issue 11
             for view in views:  # [kernel blocks, heads, kernel tokens, head_dim]
-                tokens = view[block * g.kernel_ratio: (block + 1) * g.kernel_ratio]
-                flat = tokens.permute(1, 0, 2, 3).reshape(view.shape[1], -1, view.shape[3])  # [heads, tokens, dim]
-                flat[:, n % g.block_size:] = 0
-                tokens.copy_(flat.reshape(view.shape[1], g.kernel_ratio, g.kernel_block_size, -1).permute(1, 0, 2, 3))
+                for t in range(n % g.block_size, g.block_size):
+                    kernel, pos = divmod(t, g.kernel_block_size)
+                    view[block * g.kernel_ratio + kernel, :, pos] = 0
 
 
 def check_after_load(cache: HybridCache, layouts_and_seeds: Sequence[tuple[RequestLayout, int]],

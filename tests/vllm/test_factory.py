@@ -15,7 +15,8 @@ from vllm_engine import cpu, kernel_block_sizes, make_kv_cache_config, make_sche
 
 from hybrid_transfer.errors import UnsupportedError
 from hybrid_transfer.integrations.vllm import HybridNixlConnector
-from hybrid_transfer.integrations.vllm.metadata import RankCard
+from hybrid_transfer.engine.tickets import decode_rank_card
+from hybrid_transfer.integrations.vllm.metadata import HandshakeCard
 
 RANK = "hybrid_transfer.integrations.vllm.connector.tensor_parallel_rank"
 
@@ -66,10 +67,13 @@ def test_both_roles_are_built_by_vllm_and_layout_is_lbhnc(model_dir):
         try:
             assert worker.role is KVConnectorRole.WORKER
             worker.register_kv_caches(allocate_kv_cache(kvc, cpu(), KVCacheLayout.LBHNC, kernel_block_sizes(kvc)))
-            card = worker.get_handshake_metadata()
-            assert isinstance(card, RankCard) and card.tp_rank == 0 and card.address.startswith("tcp://")
+            meta = worker.get_handshake_metadata()
+            assert isinstance(meta, HandshakeCard)
+            card = decode_rank_card(meta.card)
+            assert card.tp_rank == 0 and card.address.startswith("tcp://") and card.num_blocks == kvc.num_blocks
             assert worker.get_block_ids_with_load_errors() == set()
-            scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): card})
+            scheduler.connector.set_xfer_handshake_metadata_pp_aware({(0, 0): meta})
+            assert scheduler.connector._scheduler.card.addresses == (card.address,)
         finally:
             worker.shutdown()
 

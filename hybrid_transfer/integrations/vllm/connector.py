@@ -21,12 +21,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.engine.tickets import EngineCard, decode_rank_card
 from hybrid_transfer.errors import UnsupportedError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.geometry import REQUIRED_LAYOUT, model_of, wrap_engine_cache
 from hybrid_transfer.integrations.vllm.groups import GroupMap
-from hybrid_transfer.integrations.vllm.metadata import HybridConnectorMetadata, RankCard
-from hybrid_transfer.integrations.vllm.pending import engine_config_from_dict
+from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata
 from hybrid_transfer.integrations.vllm.scheduler import SchedulerSide
 from hybrid_transfer.integrations.vllm.worker import WorkerSide
 from hybrid_transfer.layout.tensor_map import build_tensor_map
@@ -81,8 +82,8 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = next(groups[g].kv_cache_spec.block_size for g, attn in
                               zip(kv_cache_config.transfer_group_ids, _attention_flags(kv_cache_config), strict=True)
                               if attn)
-            config = engine_config_from_dict(self._extra, 0)
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, group_map, block_size, config.lease_s)
+            EngineConfig.from_dict(self._extra)  # a bad setting fails the engine at start, not at the first request
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, group_map, block_size)
 
     # ==== worker side ==================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -90,7 +91,7 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = tensor_parallel_rank()
         engine = wrap_engine_cache(self._vllm_config, self._kv_cache_config, kv_caches, tp_rank)
         kvt = self._kv_transfer_config
-        self._worker = WorkerSide(engine, engine_config_from_dict(self._extra, tp_rank), engine_id=kvt.engine_id,
+        self._worker = WorkerSide(engine, EngineConfig.from_dict(self._extra, tp_rank=tp_rank), engine_id=kvt.engine_id,
                                   incarnation=incarnation_of(self._vllm_config), is_producer=kvt.is_kv_producer,
                                   is_consumer=kvt.is_kv_consumer)
 
@@ -163,8 +164,9 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         return ()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        cards = {rank: meta for rank, meta in metadata.items() if isinstance(meta, RankCard)}
-        self._scheduler.set_cards(cards)
+        cards = {rank: decode_rank_card(meta.card) for rank, meta in metadata.items() if isinstance(meta, HandshakeCard)}
+        if cards:  # a decode-only engine's workers publish none
+            self._scheduler.set_card(EngineCard.from_ranks(cards))
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

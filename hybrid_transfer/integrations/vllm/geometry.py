@@ -15,6 +15,7 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 
 from hybrid_transfer.cache import HybridCache
+from hybrid_transfer.cache_slots import slots_from_layer_views
 from hybrid_transfer.errors import CacheShapeError, UnsupportedError
 from hybrid_transfer.integrations.vllm.groups import GroupMap, layer_index
 from hybrid_transfer.layout.geometry import CacheOptions, ConvLayout, KVLayout, RankGeometry
@@ -97,10 +98,13 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
     _check_against_registry(geometry, attention, mamba)
     groups = kv_cache_config.kv_cache_groups
     group_map = GroupMap.build(geometry.tensor_map, [g.layer_names for g in groups], kv_cache_config.transfer_group_ids)
-    slots = _carve_slots(geometry, kv_cache_config, fa_view)
+    views = {layer_index(n): view for n, view in kv_caches.items()}
+    # Slot j: layer j of every group, one byte range of vLLM's single allocation (checked view by view).
+    slots = slots_from_layer_views(views, geometry.tensor_map.layer_tensor,
+                                   kv_cache_config.num_blocks * geometry.page_bytes)
     cache = HybridCache.wrap(geometry, slots)
-    views = {layer_index(n): kv_caches[n] for n in attn_layers}
-    return EngineCache(cache, group_map, views)
+    attention_views = {layer: views[layer] for layer in geometry.model.attention_layers}
+    return EngineCache(cache, group_map, attention_views)
 
 
 def _check_against_registry(g: RankGeometry, attention: FullAttentionSpec, mamba: MambaSpec | None) -> None:
@@ -119,27 +123,3 @@ def _check_against_registry(g: RankGeometry, attention: FullAttentionSpec, mamba
         differ("recurrent state shape", (len(g.value_heads), m.linear_value_head_dim, m.linear_key_head_dim),
                tuple(mamba.shapes[1]))
         differ("state page bytes (padded)", g.page_bytes, mamba.page_size_bytes)
-
-
-def _carve_slots(g: RankGeometry, kv_cache_config: KVCacheConfig, any_view: torch.Tensor) -> list[torch.Tensor]:
-    """Slot j: layer j of every group, one contiguous byte range of the backing allocation."""
-    storage = any_view.untyped_storage()
-    base = torch.empty(0, dtype=torch.uint8, device=any_view.device).set_(storage)  # the whole allocation
-    offsets: dict[int, tuple[int, int]] = {}  # model layer -> (byte offset, block stride)
-    for tensor in kv_cache_config.kv_cache_tensors:
-        for l, name in enumerate(tensor.layers):
-            offsets[layer_index(name)] = (tensor.offset + l * tensor.layer_stride, tensor.block_stride)
-    num_blocks = kv_cache_config.num_blocks
-    slots = []
-    for j in range(g.num_tensors):
-        layers = [group.layers[j] for group in g.tensor_map.groups]
-        where = {offsets[layer] for layer in layers}
-        if len(where) != 1:
-            raise UnsupportedError(f"layers {layers} should share slot {j} but vLLM places them at "
-                                   f"(offset, block stride) {sorted(where)}")
-        offset, stride = where.pop()
-        if stride != g.page_bytes:
-            raise CacheShapeError(f"slot {j}: vLLM's block stride is {stride} B, the page is {g.page_bytes} B",
-                                  expected=g.page_bytes, actual=stride)
-        slots.append(base[offset: offset + num_blocks * stride])
-    return slots

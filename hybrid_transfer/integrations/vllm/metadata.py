@@ -15,17 +15,10 @@ from hybrid_transfer.engine.wire import Ticket
 
 
 @dataclass
-class RankCard(KVConnectorHandshakeMetadata):
-    """One worker's identity as the scheduler needs it to issue tickets.
+class HandshakeCard(KVConnectorHandshakeMetadata):
+    """A producer rank's RankCard (engine/tickets.py) as bytes: what the scheduler issues tickets from."""
 
-    ``address`` is the producer's side-channel address ("" on a rank without a producer).
-    """
-
-    engine_id: str
-    incarnation: int
-    tp_rank: int
-    tp_size: int
-    address: str
+    card: bytes
 
 
 @dataclass(frozen=True)

@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from hybrid_transfer.engine.tickets import EngineCard, issue_ticket
 from hybrid_transfer.engine.wire import Ticket
 from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.groups import GroupMap
-from hybrid_transfer.integrations.vllm.metadata import DeclineOrder, HybridConnectorMetadata, RankCard, ReadOrder
-from hybrid_transfer.integrations.vllm.pending import issue_ticket
+from hybrid_transfer.integrations.vllm.metadata import DeclineOrder, HybridConnectorMetadata, ReadOrder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,16 +47,13 @@ class SchedulerSide:
     """Scheduler-side state of one engine; the connector class forwards vLLM's hooks here."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group_map: GroupMap,
-                 attention_block_size: int, lease_s: float):
-        self.engine_id = vllm_config.kv_transfer_config.engine_id
-        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+                 attention_block_size: int):
         self.kv_cache_config = kv_cache_config
         self.group_map = group_map
         self.block_size = attention_block_size
-        self.lease_s = lease_s
         # Hybrids stop one token early (the decode side needs h(N-1)); attention-only models do not.
         self.backoff = 1 if kv_cache_config.has_mamba_layers else 0
-        self.cards: dict[int, RankCard] = {}
+        self.card: EngineCard | None = None  # the prefill engine's ranks, once vLLM handed them over
         self._holds: dict[str, Ticket] = {}
         self._reads: dict[str, ReadOrder] = {}
         self._declines: dict[str, DeclineOrder] = {}
@@ -64,17 +61,9 @@ class SchedulerSide:
         self._reading: set[str] = set()  # read ordered, not yet reported finished by the workers
 
     # ---- identity -----------------------------------------------------------------
-    def set_cards(self, cards: dict[int, RankCard]) -> None:
-        """Every rank's card (vLLM hands them over once, after the workers registered their caches)."""
-        if sorted(cards) != list(range(self.tp_size)):
-            raise HybridTransferError(f"handshake metadata for ranks {sorted(cards)}, expected 0..{self.tp_size - 1}")
-        first = cards[0]
-        for rank, card in cards.items():
-            if (card.engine_id, card.incarnation, card.tp_size) != (first.engine_id, first.incarnation, self.tp_size):
-                raise HybridTransferError(f"rank {rank} reports engine {card.engine_id!r} incarnation "
-                                          f"{card.incarnation} TP {card.tp_size}; rank 0 reports {first.engine_id!r} "
-                                          f"{first.incarnation} TP {self.tp_size}")
-        self.cards = dict(cards)
+    def set_card(self, card: EngineCard) -> None:
+        """Every producer rank's card, gathered (vLLM hands them over once the workers registered their caches)."""
+        self.card = card
 
     # ---- prefill ------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
@@ -95,16 +84,14 @@ class SchedulerSide:
         """A prefill request ended: issue its ticket and keep its blocks, or let vLLM free them."""
         if request.status not in _HANDED_OFF or not any(block_ids):
             return False, None
-        if len(self.cards) != self.tp_size:
-            log.error("hybrid-transfer: no handshake metadata from the workers yet; %s is not handed off",
-                      request.request_id)
+        if self.card is None:
+            log.error("hybrid-transfer: no producer rank cards (kv_role without a producer, or no handshake metadata "
+                      "yet); %s is not handed off", request.request_id)
             return False, None
         ours = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(block_ids))
         num_tokens = request.num_computed_tokens
         ours = self._clip(ours, num_tokens)
-        rank0 = self.cards[0]
-        ticket = issue_ticket(rank0.engine_id, rank0.incarnation, [self.cards[r].address for r in range(self.tp_size)],
-                              request.request_id, ours, num_tokens, self.lease_s)
+        ticket = issue_ticket(self.card, request.request_id, ours, num_tokens)
         self._holds[request.request_id] = ticket
         return True, kvp.prefill_result(ticket)
 

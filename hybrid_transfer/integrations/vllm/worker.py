@@ -13,6 +13,7 @@ recomputes the prompt.
 from __future__ import annotations
 
 import logging
+import time
 
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.consumer import Consumer
@@ -20,7 +21,8 @@ from hybrid_transfer.engine.producer import Producer
 from hybrid_transfer.engine.state import ReadState
 from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.integrations.vllm.geometry import EngineCache
-from hybrid_transfer.integrations.vllm.metadata import HybridConnectorMetadata, RankCard, ReadOrder
+from hybrid_transfer.engine.tickets import encode_rank_card
+from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata, ReadOrder
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ class WorkerSide:
         self._consumer: Consumer | None = None
         if is_producer:
             self.producer = Producer(engine.cache, config, engine_id=engine_id, incarnation=incarnation)
-        self._engine_addresses_set = False
+        self._unheld: dict[str, float] = {}  # holds refused -> when to report them finished sending
         # Decode: ticket request id (the producer's) -> our request id, and what a finished read needs.
         self._reads: dict[str, tuple[str, ReadOrder]] = {}
         self._finished_recving: set[str] = set()
@@ -53,9 +55,9 @@ class WorkerSide:
             self._consumer = Consumer(self.engine.cache, self.config, engine_id=f"{self.engine_id}-d")
         return self._consumer
 
-    def card(self) -> RankCard:
-        return RankCard(self.engine_id, self.incarnation, self.tp_rank, self.tp_size,
-                        self.producer.address if self.producer is not None else "")
+    def card(self) -> HandshakeCard | None:
+        """What the scheduler issues tickets from; None on a rank without a producer (nothing to hand off)."""
+        return HandshakeCard(encode_rank_card(self.producer.rank_card)) if self.producer is not None else None
 
     # ---- each step ------------------------------------------------------------------
     def start(self, meta: HybridConnectorMetadata) -> None:
@@ -76,13 +78,13 @@ class WorkerSide:
         if producer is None:
             log.error("hybrid-transfer: rank %d has no producer (kv_role) but was told to hold %s", self.tp_rank, rid)
             return
-        if not self._engine_addresses_set and self.tp_size > 1:
-            producer.set_engine_addresses(ticket.addresses)
-            self._engine_addresses_set = True
-        issued = producer.hold(rid, ticket.block_ids, ticket.num_tokens, nonce=ticket.nonce)
-        if (issued.engine_key, issued.addresses) != (ticket.engine_key, ticket.addresses):
-            raise HybridTransferError(f"rank {self.tp_rank} holds {rid} as engine {issued.engine_key} at "
-                                      f"{issued.addresses}; the scheduler issued {ticket.engine_key} at {ticket.addresses}")
+        try:
+            producer.hold(rid, ticket=ticket)  # refuses a ticket that disagrees with this rank, before pinning
+        except HybridTransferError as exc:
+            # vLLM keeps the blocks until finished_sending. A consumer may still read them with the
+            # ticket it got: release them only after the lease a held request would have had.
+            log.error("hybrid-transfer: rank %d cannot hold %s: %s", self.tp_rank, rid, exc)
+            self._unheld[rid] = time.monotonic() + self.config.lease_s
 
     def _read(self, rid: str, order: ReadOrder) -> None:
         key = order.ticket.request_id
@@ -110,6 +112,10 @@ class WorkerSide:
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
         sending = set(self.producer.poll()) if self.producer is not None else set()
+        now = time.monotonic()
+        for rid in [r for r, at in self._unheld.items() if at <= now]:
+            del self._unheld[rid]
+            sending.add(rid)
         if self._consumer is not None:
             for result in self._consumer.poll():
                 entry = self._reads.pop(result.request_id, None)
