@@ -29,8 +29,7 @@ def _zero_tail(image: HybridCache, layout: RequestLayout) -> None:
             continue
         block = ids[n // g.block_size]
         for layer in group.layers:
-            views = (image.k(layer), image.v(layer)) if hasattr(image, "k") else (image.kv(layer)[:, 0], image.kv(layer)[:, 1])  # TEMPORARY until issue 11
-            for view in views:  # [kernel blocks, heads, kernel tokens, head_dim]
+            for view in (image.k(layer), image.v(layer)):  # [kernel blocks, heads, kernel tokens, head_dim]
                 for t in range(n % g.block_size, g.block_size):
                     kernel, pos = divmod(t, g.kernel_block_size)
                     view[block * g.kernel_ratio + kernel, :, pos] = 0

@@ -21,8 +21,6 @@ from hybrid_transfer.integrations.vllm.groups import GroupMap, layer_index
 from hybrid_transfer.layout.geometry import CacheOptions, ConvLayout, KVLayout, RankGeometry
 from hybrid_transfer.layout.model import DType, LayerKind, ModelSpec, model_from_config
 
-# TEMPORARY until issue 11 (interleaved pages) merges: then always kv_layout=KVLayout.INTERLEAVED.
-_INTERLEAVED = {"kv_layout": KVLayout.INTERLEAVED} if hasattr(KVLayout, "INTERLEAVED") else {}
 REQUIRED_LAYOUT = "LBHNC"  # vLLM's name for [block][head][token][K|V] pages (alias HND)
 
 
@@ -92,7 +90,7 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
         block_size=attention.block_size,
         kernel_block_size=int(fa_view.shape[2]),
         conv_layout=conv_layout,
-        **_INTERLEAVED,  # vLLM 0.33 pages: [head][token][K|V]
+        kv_layout=KVLayout.INTERLEAVED,  # vLLM 0.33 pages: [head][token][K|V]
     )
     geometry = RankGeometry(model, tp_size, tp_rank, options)
     _check_against_registry(geometry, attention, mamba)
