@@ -12,6 +12,7 @@ Diagnostics (`hybrid-transfer doctor`): diagnostics, diagnostics_host, diagnosti
 diagnostics_loopback, diagnostics_ucx.
 """
 
+from hybrid_transfer.engine.agent import quiet_nixl_logging
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.producer import Producer
@@ -20,5 +21,5 @@ from hybrid_transfer.engine.wire import Ticket, decode_ticket, encode_ticket
 
 __all__ = [
     "Consumer", "EngineConfig", "FailureCause", "HoldState", "PrepStrategy", "Producer", "ProgressPolicy",
-    "ReadResult", "ReadState", "Ticket", "decode_ticket", "encode_ticket",
+    "ReadResult", "ReadState", "Ticket", "decode_ticket", "encode_ticket", "quiet_nixl_logging",
 ]
