@@ -197,7 +197,8 @@ def make_prompt(n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
 
 
-# ---- the TP sharding rule, written out (docs/sharding.md) ---------------------------------
+# ---- the TP sharding rule, written out apart from the library's geometry ----------------------
+# (so the transfer is checked against the rule itself, not against the library's reading of it)
 def kv_heads_of(tp: int, rank: int) -> range:
     """KV heads of ``rank``: an even split, or one head replicated tp / K times when tp > K."""
     k = MODEL.num_kv_heads
