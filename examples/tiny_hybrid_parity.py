@@ -544,6 +544,13 @@ def parse_pairs(text: str) -> list[tuple[int, int]]:
         raise argparse.ArgumentTypeError(f"--pairs {text!r}: expected P:D,P:D,...") from None
     if not pairs or any(len(pair) != 2 or min(pair) < 1 for pair in pairs):
         raise argparse.ArgumentTypeError(f"--pairs {text!r}: expected P:D,P:D,... with P, D >= 1")
+    from hybrid_transfer import HybridTransferError, RankGeometry
+
+    for tp in {tp for pair in pairs for tp in pair}:
+        try:
+            RankGeometry(MODEL, tp)
+        except HybridTransferError as exc:
+            raise argparse.ArgumentTypeError(f"--pairs {text!r}: {exc}") from None
     return pairs  # type: ignore[return-value]
 
 
@@ -604,6 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=DECODE_STEPS, help="greedy decode steps")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="prompt length N (N-1 move)")
     args = parser.parse_args(argv)
+    if args.prompt_tokens < 2 or args.steps < 1:
+        parser.error("--prompt-tokens must be at least 2 (the N-1 rule moves one token or more), --steps at least 1")
     pairs, layouts = args.pairs, [x for x in args.layouts.split(",") if x]
     if args.short:
         pairs, layouts = [(2, 4)], ["interleaved"]
