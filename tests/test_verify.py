@@ -73,9 +73,14 @@ def ints(t: torch.Tensor) -> torch.Tensor:
 
 
 def kv6(cache: HybridCache, layer: int) -> torch.Tensor:
+    """[block, kernel block, K/V, head slot, token, element] over the cache, whatever the KV layout."""
     g = cache.geometry
-    return ints(cache.kv(layer)).view(cache.num_blocks, g.kernel_ratio, 2, g.num_kv_heads_local,
-                                      g.kernel_block_size, g.model.head_dim)
+    k = ints(cache.k(layer))
+    it = g.kv_itemsize
+    shape = (cache.num_blocks, g.kernel_ratio, 2, g.num_kv_heads_local, g.kernel_block_size, g.model.head_dim)
+    strides = (g.page_bytes // it, g.kernel_block_bytes // it, g.kv_half_stride // it, g.kv_head_stride // it,
+               g.kv_token_stride // it, 1)
+    return k.as_strided(shape, strides, k.storage_offset())
 
 
 def token_slots(cache: HybridCache, ids, tokens: torch.Tensor):

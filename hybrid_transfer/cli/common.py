@@ -1,10 +1,10 @@
-"""Arguments several subcommands share: which model, and which KV dtype."""
+"""Arguments several subcommands share: which model, which KV dtype, which KV layout."""
 
 from __future__ import annotations
 
 import argparse
 
-from hybrid_transfer.layout import DType, ModelSpec, load_config_file, load_preset, preset_names
+from hybrid_transfer.layout import DType, KVLayout, ModelSpec, load_config_file, load_preset, preset_names
 
 KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
 
@@ -23,3 +23,14 @@ def load_model(args: argparse.Namespace) -> ModelSpec:
 def parse_kv_dtype(name: str | None) -> DType | None:
     """The --kv-dtype choice; None keeps the model dtype."""
     return KV_DTYPES[name] if name else None
+
+
+def add_kv_layout(parser: argparse.ArgumentParser) -> None:
+    """--kv-layout interleaved|split (both sides of a transfer share it)."""
+    parser.add_argument("--kv-layout", choices=[m.value for m in KVLayout], default=KVLayout.INTERLEAVED.value,
+                        help="attention page layout: interleaved [heads][tokens][K|V] (vLLM 0.33) or split "
+                             "[K | V] halves (older vLLM)")
+
+
+def parse_kv_layout(name: str) -> KVLayout:
+    return KVLayout(name)

@@ -12,6 +12,10 @@ Version log:
      renewal), Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists
      revoked tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer closes).
   2: pack mode (issue 6): StagingQuery / StagingReply, side channel only (defined at the end).
+  3: attention KV layout (issue 11): RankDescriptor.kv_layout ("interleaved", vLLM 0.33's
+     [heads][tokens][K|V], or "split" [K | V] halves), last and defaulted; the Fingerprint's
+     kv_layout now carries it (it was the constant "HND"), so a split side and an interleaved
+     side are refused at the handshake with kv_layout named in the diff.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -30,7 +34,7 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 
