@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybrid_transfer.layout import CacheOptions, LayerKind, model_from_config
+from hybrid_transfer.layout import CacheOptions, KVLayout, LayerKind, model_from_config
 
 # The model as config.json fields: 8 layers (layers 3 and 7 full attention, 6 GDN), 2 KV heads
 # (replicated at TP 4), 4 key / 8 value heads, conv kernel 4 (3 stored positions per channel).
@@ -231,14 +231,6 @@ def _token_slots(geometry, block_ids, num_tokens: int) -> tuple[torch.Tensor, to
     return kernel_ids[t // geometry.kernel_block_size], t % geometry.kernel_block_size
 
 
-def _k(cache, layer):  # [num_kernel_blocks, heads_local, kernel_block_size, head_dim]
-    return cache.kv(layer)[:, 0]
-
-
-def _v(cache, layer):
-    return cache.kv(layer)[:, 1]
-
-
 def write_shard(cache, state: State, block_ids, num_tokens: int) -> None:
     """Place this rank's shard of ``state`` (KV of tokens [0, num_tokens)) into the request's blocks."""
     g = cache.geometry
@@ -248,9 +240,10 @@ def write_shard(cache, state: State, block_ids, num_tokens: int) -> None:
         for layer in group.layers:
             if group.kind is LayerKind.ATTENTION:
                 kid, pos = _token_slots(g, ids, num_tokens)
+                # k / v: [num_kernel_blocks, heads_local, kernel_block_size, head_dim] whatever the layout;
                 # [tokens, heads_local, head_dim] at (kernel block, :, position)
-                _k(cache, layer)[kid, :, pos] = state.k[layer][heads, :num_tokens].transpose(0, 1)
-                _v(cache, layer)[kid, :, pos] = state.v[layer][heads, :num_tokens].transpose(0, 1)
+                cache.k(layer)[kid, :, pos] = state.k[layer][heads, :num_tokens].transpose(0, 1)
+                cache.v(layer)[kid, :, pos] = state.v[layer][heads, :num_tokens].transpose(0, 1)
             else:
                 cache.conv(layer)[ids[0]] = state.conv[layer][rows]
                 cache.ssm(layer)[ids[0]] = state.ssm[layer][value_heads]
@@ -265,8 +258,8 @@ def read_shard(cache, block_ids, num_tokens: int) -> dict:
         for layer in group.layers:
             if group.kind is LayerKind.ATTENTION:
                 kid, pos = _token_slots(g, ids, num_tokens)
-                shard["k"][layer] = _k(cache, layer)[kid, :, pos].transpose(0, 1).clone()
-                shard["v"][layer] = _v(cache, layer)[kid, :, pos].transpose(0, 1).clone()
+                shard["k"][layer] = cache.k(layer)[kid, :, pos].transpose(0, 1).clone()
+                shard["v"][layer] = cache.v(layer)[kid, :, pos].transpose(0, 1).clone()
             else:
                 shard["conv"][layer] = cache.conv(layer)[ids[0]].clone()
                 shard["ssm"][layer] = cache.ssm(layer)[ids[0]].clone()
@@ -312,7 +305,7 @@ def rebuild(shards: list[dict]) -> State:
 
 # ---- worker processes: each hosts engine ranks and keeps polling them ----------------------
 def _options(layout: str, **fields) -> CacheOptions:
-    return CacheOptions(**fields)
+    return CacheOptions(kv_layout=KVLayout(layout), **fields)
 
 
 def _geometry(layout: str, tp: int, rank: int, side: str):
@@ -614,6 +607,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompt_tokens < 2 or args.steps < 1:
         parser.error("--prompt-tokens must be at least 2 (the N-1 rule moves one token or more), --steps at least 1")
     pairs, layouts = args.pairs, [x for x in args.layouts.split(",") if x]
+    known = [layout.value for layout in KVLayout]
+    if not layouts or any(x not in known for x in layouts):
+        parser.error(f"--layouts {args.layouts!r}: choose from {', '.join(known)}")
     if args.short:
         pairs, layouts = [(2, 4)], ["interleaved"]
     torch.set_num_threads(1)
