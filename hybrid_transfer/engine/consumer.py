@@ -30,7 +30,6 @@ from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import describe_cache
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
@@ -66,6 +65,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer, describe_cache
+from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
@@ -44,6 +44,7 @@ from hybrid_transfer.errors import (
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
