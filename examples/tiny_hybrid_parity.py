@@ -625,7 +625,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} greedy steps", flush=True)
     print(f"single-process reference tokens: {' '.join(map(str, ref_tokens))}", flush=True)
 
-    ctx = mp.get_context("spawn")
+    # forkserver: torch and the engine are imported once, in the server, and every worker forks from it
+    # (spawned workers would each import them again, seconds of CPU apiece). No thread exists in the
+    # server when it forks: torch starts its pools on first use, NIXL its threads in an agent.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hybrid_transfer.engine"])
     workers = [Worker(ctx, i) for i in range(max(p + d for p, d in pairs))]
     ok = True
     try:
