@@ -8,6 +8,9 @@ holds (a producer's holds, aborts and revocations), fences (engine step fences),
 Pack mode: staging (bounded registered pools), stager (the producer's gather at hold and its
 staging directory), pack_reader (the consumer's query, READ and scatter), gather_scatter (one
 index copy per list on CPU or CUDA), calibrate (per-descriptor and per-byte costs for auto).
+Embedding in a serving engine (issue 12): tickets (RankCard, EngineCard, issue_ticket: tickets issued
+by the engine's scheduler), ticket_params (a ticket as JSON-safe request parameters), early
+(completions that arrive before their hold).
 Diagnostics (`hybrid-transfer doctor`): diagnostics, diagnostics_host, diagnostics_paths,
 diagnostics_loopback, diagnostics_ucx.
 """
@@ -17,9 +20,13 @@ from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPo
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.producer import Producer
 from hybrid_transfer.engine.state import FailureCause, HoldState, ReadResult, ReadState
+from hybrid_transfer.engine.ticket_params import ticket_from_params, ticket_to_params
+from hybrid_transfer.engine.tickets import EngineCard, RankCard, decode_rank_card, encode_rank_card, issue_ticket
 from hybrid_transfer.engine.wire import Ticket, decode_ticket, encode_ticket
 
 __all__ = [
-    "Consumer", "EngineConfig", "FailureCause", "HoldState", "PrepStrategy", "Producer", "ProgressPolicy",
-    "ReadResult", "ReadState", "Ticket", "decode_ticket", "encode_ticket", "quiet_nixl_logging",
+    "Consumer", "EngineCard", "EngineConfig", "FailureCause", "HoldState", "PrepStrategy", "Producer",
+    "ProgressPolicy", "RankCard", "ReadResult", "ReadState", "Ticket", "decode_rank_card", "decode_ticket",
+    "encode_rank_card", "encode_ticket", "issue_ticket", "quiet_nixl_logging",
+    "ticket_from_params", "ticket_to_params",
 ]
