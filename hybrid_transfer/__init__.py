@@ -6,7 +6,7 @@ Layers, imports pointing down:
   plan/         pure numpy planning of reads between ranks (DESIGN 3)
   engine/       the only code that imports NIXL or ZeroMQ (DESIGN 4)
   integrations/ the only code that imports vLLM
-  bench/, cli/  the microbenchmark and the command line
+  bench/, doctor/, cli/  the microbenchmark, the host checks (NIXL through engine's agent), the command line
 """
 
 from hybrid_transfer.errors import HybridTransferError
