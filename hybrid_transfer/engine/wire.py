@@ -12,6 +12,9 @@ Version log:
      renewal), Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists
      revoked tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer closes).
   2: pack mode (issue 6): StagingQuery / StagingReply, side channel only (defined at the end).
+  2: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
+     at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
+     (docs/limits.md).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
