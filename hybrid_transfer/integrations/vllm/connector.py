@@ -71,6 +71,9 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         kvt = vllm_config.kv_transfer_config
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise UnsupportedError("HybridNixlConnector does not support pipeline parallelism "
+                                   f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size})")
         self._extra = dict(kvt.kv_connector_extra_config or {})
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None

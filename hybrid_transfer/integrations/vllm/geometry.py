@@ -57,6 +57,10 @@ def _specs(kv_cache_config: KVCacheConfig) -> tuple[FullAttentionSpec, MambaSpec
                                    "GDN state groups are supported (no sliding window, MLA or others)")
     if attention is None:
         raise UnsupportedError("the engine has no full-attention cache group")
+    if mamba is not None and (mamba.mamba_cache_mode != "none" or mamba.num_speculative_blocks):
+        raise UnsupportedError(f"GDN state with mamba_cache_mode={mamba.mamba_cache_mode!r} and "
+                               f"{mamba.num_speculative_blocks} speculative blocks: only one state block per "
+                               "request (mamba_cache_mode 'none', no speculative decoding) is supported")
     return attention, mamba
 
 
