@@ -30,6 +30,7 @@ from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
@@ -89,6 +90,7 @@ class ConsumerStats:
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
 
 
 @dataclass
@@ -147,6 +149,9 @@ class Consumer:
         self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
         self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
         self._next_heartbeat_at = clock()
+        # At most notifications_per_poll handled per poll (inbox.py). A Revoke may wait in the backlog, so
+        # no READ is judged DONE while one is left (see _advance).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
 
@@ -384,7 +389,7 @@ class Consumer:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
-            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req):
+            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox):
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -541,9 +546,10 @@ class Consumer:
         return welcomed
 
     def _take_notifications(self) -> None:
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._inbox.put(self.agent.get_notifs())
+        self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
 
     def _on_notification(self, sender: str, message: bytes) -> None:
         try:

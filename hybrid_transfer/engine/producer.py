@@ -29,6 +29,8 @@ from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
+from hybrid_transfer.engine.inbox import Inbox
+from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
@@ -81,6 +83,7 @@ class ProducerStats:
     notify_failures: int = 0  # a Welcome or Revoke that could not be sent (the agent is then forgotten)
     handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
     handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
 
 
 class Producer:
@@ -137,6 +140,9 @@ class Producer:
         self._early = EarlyCompletions(clock, self.config.early_completion_grace_s, self.config.lease_s,
                                        self.config.early_completion_limit)
         self._welcomed: set[str] = set()  # consumer agents that said Hello and were welcomed: the only readers
+        # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
+        self._log = LogGate(log, clock)
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -294,6 +300,11 @@ class Producer:
         return self._book.num_pinned_blocks
 
     @property
+    def notification_backlog(self) -> int:
+        """Notifications taken from NIXL and left for a later poll (at most notifications_per_poll per poll)."""
+        return len(self._inbox)
+
+    @property
     def num_pending_handshakes(self) -> int:
         """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see pending.py)."""
         return len(self._pending)
@@ -337,14 +348,19 @@ class Producer:
         self._pending.expire()
         self.stats.handshakes_evicted = self._pending.num_evicted
         self.stats.handshakes_expired = self._pending.num_expired
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._inbox.put(self.agent.get_notifs())  # every poll: it also progresses the target side of READs
+        if self._inbox.num_dropped > self.stats.notifications_dropped:
+            self._log.warning("backlog full", "producer %s: notification backlog full, %d dropped so far",
+                              self.agent.name, self._inbox.num_dropped)
+            self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
         lapsed = self._early.prune()
         if lapsed:
             self.stats.early_lapsed += lapsed
             log.info("producer %s: %d early completions found no hold in time", self.agent.name, lapsed)
         self.stats.early_evicted = self._early.stats.evicted
+        self._log.flush()
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
@@ -362,7 +378,8 @@ class Producer:
             env, body = wire.decode(message)
         except WireDecodeError as exc:
             self.stats.malformed += 1
-            log.info("producer %s: malformed notification from %s: %s", self.agent.name, sender, exc)
+            self._log.log(logging.INFO, "malformed", "producer %s: malformed notification from %s: %s",
+                          self.agent.name, sender, exc)
             return
         if env.fingerprint != self._digest or not isinstance(body, _FROM_CONSUMERS) or (
                 isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
@@ -370,7 +387,8 @@ class Producer:
             return
         if sender not in self._welcomed and sender not in self._pending:
             self.stats.unknown_agent += 1
-            log.warning("producer %s: notification from %s, which never handshaked", self.agent.name, sender)
+            self._log.warning("unknown agent", "producer %s: notification from %s, which never handshaked",
+                              self.agent.name, sender)
             return
         if isinstance(body, wire.Completion):
             self._on_completion(sender, body)
@@ -397,7 +415,8 @@ class Producer:
             return
         if body.nonce != hold.nonce:
             self.stats.bad_nonce += 1
-            log.warning("producer %s: wrong nonce for %r from %s", self.agent.name, body.request_id, sender)
+            self._log.warning("bad nonce", "producer %s: wrong nonce for %r from %s", self.agent.name,
+                              body.request_id, sender)
             return
         self._count_report(sender, hold, body)
 
@@ -429,11 +448,13 @@ class Producer:
             name = sender if sender in self._welcomed else self.agent.add_remote(body.agent_metadata)
         except EngineError as exc:
             self.stats.malformed += 1
-            log.warning("producer %s: Hello from %s with unusable metadata: %s", self.agent.name, sender, exc)
+            self._log.warning("bad hello", "producer %s: Hello from %s with unusable metadata: %s", self.agent.name,
+                              sender, exc)
             return
         if name != sender:
             self.stats.malformed += 1
-            log.warning("producer %s: Hello from %s carries the metadata of %s", self.agent.name, sender, name)
+            self._log.warning("bad hello", "producer %s: Hello from %s carries the metadata of %s", self.agent.name,
+                              sender, name)
             return
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
         if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))):

@@ -19,6 +19,9 @@ Version log:
   4: geometry from a live engine (issue 12): RankDescriptor.conv_dtype, last and defaulted ("": the
      model dtype), so a peer rebuilds a rank whose engine keeps conv state in another dtype. Tickets
      are unchanged; their JSON form (engine/ticket_params.py) is not a wire message.
+  -: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
+     at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
+     (docs/limits.md).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
