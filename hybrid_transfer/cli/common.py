@@ -1,4 +1,4 @@
-"""Arguments several subcommands share: which model, which KV dtype, counts, and output paths.
+"""Arguments several subcommands share: which model, which KV dtype and layout, counts, and output paths.
 
 Every value is checked before the work starts, so bad input ends with exit 2 and a message that
 names it (argparse's own errors, or a ConfigError caught by ``main``), never a traceback.
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from hybrid_transfer.errors import ConfigError
-from hybrid_transfer.layout import DType, ModelSpec, load_preset, model_from_config, preset_names
+from hybrid_transfer.layout import DType, KVLayout, ModelSpec, load_preset, model_from_config, preset_names
 from hybrid_transfer.layout.model import context_tokens, read_config_file
 from hybrid_transfer.layout.presets import preset_config
 
@@ -52,6 +52,17 @@ def check_tokens(tokens: int, max_tokens: int, model: ModelSpec, flag: str = "--
 def parse_kv_dtype(name: str | None) -> DType | None:
     """The --kv-dtype choice; None keeps the model dtype."""
     return KV_DTYPES[name] if name else None
+
+
+def add_kv_layout(parser: argparse.ArgumentParser) -> None:
+    """--kv-layout interleaved|split (both sides of a transfer share it)."""
+    parser.add_argument("--kv-layout", choices=[m.value for m in KVLayout], default=KVLayout.INTERLEAVED.value,
+                        help="attention page layout: interleaved [heads][tokens][K|V] (vLLM 0.33) or split "
+                             "[K | V] halves (older vLLM)")
+
+
+def parse_kv_layout(name: str) -> KVLayout:
+    return KVLayout(name)
 
 
 def positive_int(text: str) -> int:

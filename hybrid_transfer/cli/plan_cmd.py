@@ -9,11 +9,13 @@ import numpy as np
 
 from hybrid_transfer.cli.common import (
     KV_DTYPES,
+    add_kv_layout,
     add_model_source,
     check_tokens,
     load_model_and_context,
     non_negative_int,
     parse_kv_dtype,
+    parse_kv_layout,
     positive_int,
     token_count,
 )
@@ -35,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Plan one request from a prefill engine to a decode engine over fake addresses and print, per "
             "decode rank, the source ranks, bytes and descriptors per source, and totals. With --json, only "
             "a JSON list on stdout: one object per decode rank with decode_rank, total_bytes, descriptors, "
-            "sources [{rank, bytes, descriptors, pieces, mode}], mode, notify, expected_bytes."
+            "sources [{rank, bytes, descriptors, pieces, mode}], mode, kv_layout, notify, expected_bytes "
+            "(what the plan moves) and valid_bytes (the request's payload; naive moves whole pages, so more)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -49,12 +52,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--tokens", type=token_count, required=True, metavar="N",
                         help="tokens whose KV moves (at most the model's max_position_embeddings)")
     parser.add_argument("--mode", choices=[m.value for m in PlanMode], default=PlanMode.COALESCED.value,
-                        help="naive (vLLM-style baseline), coalesced, pack, or auto (cost model)")
+                        help="naive (vLLM 0.33's own descriptor scheme: whole pages), coalesced, pack, or auto "
+                             "(cost model)")
     parser.add_argument("--fragmentation", type=float, default=0.0, metavar="F",
                         help="share of block ids replaced by random free ids (0: contiguous, 1: shuffled)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed for fragmented block ids")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype on both sides; None means the model dtype")
+    add_kv_layout(parser)
     parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, metavar="A",
                         help="block size alignment in tokens for page-size unification")
     for side in ("prefill", "decode"):
@@ -70,17 +75,18 @@ def run(args: argparse.Namespace) -> int:
     model, max_tokens = load_model_and_context(args)
     check_tokens(args.tokens, max_tokens, model)
     kv_dtype = parse_kv_dtype(args.kv_dtype)
+    kv_layout = parse_kv_layout(args.kv_layout)
     prefill = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.prefill_block_size,
-                           kernel_block_size=args.prefill_kernel_block_size)
+                           kernel_block_size=args.prefill_kernel_block_size, kv_layout=kv_layout)
     decode = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.decode_block_size,
-                          kernel_block_size=args.decode_kernel_block_size)
+                          kernel_block_size=args.decode_kernel_block_size, kv_layout=kv_layout)
     plans = plan_all(model, args.prefill_tp, args.decode_tp, prefill, decode, args.tokens, PlanMode(args.mode),
                      args.fragmentation, args.seed, args.decode_rank)
     if args.json:
         print(json.dumps([plan_summary(p) for p in plans], indent=2))
     else:
         header = (f"{model.name}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {args.tokens} tokens, "
-                  f"mode {args.mode}, fragmentation {args.fragmentation}")
+                  f"mode {args.mode}, KV layout {args.kv_layout}, fragmentation {args.fragmentation}")
         print(render_table(header, plans))
     return 0
 
@@ -128,9 +134,11 @@ def plan_summary(plan: ReadPlan) -> dict:
     return {
         "decode_rank": plan.decode_rank,
         "mode": plan.mode.value,
+        "kv_layout": plan.meta.get("kv_layout"),
         "num_tokens": plan.num_tokens,
         "total_bytes": plan.total_bytes,
         "expected_bytes": plan.expected_bytes,
+        "valid_bytes": plan.meta.get("valid_bytes", plan.expected_bytes),
         "descriptors": plan.num_descriptors,
         "sources": sources,
         "notify": [{"rank": n.source_rank, "expected_consumers": n.expected_consumers} for n in plan.notify],

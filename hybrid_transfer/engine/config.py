@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import enum
 import math
+import re
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -100,6 +103,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost: auto mode's cost parameters; None: calibrate at consumer start (``calibrate``), else the defaults.
     calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s).
     prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
+    early_completion_grace_s: how long a producer rank keeps a completion that arrives before the
+        request's ``hold()`` (a serving engine holds at its next step; engine/early.py). Completions
+        announced with ``Producer.expect`` are kept for a whole lease instead.
+    early_completion_limit: at most this many such completions are kept per producer rank (the
+        oldest go first, counted in ``ProducerStats.early_evicted``).
     max_pending_handshakes: consumer agents a producer rank remembers between their handshake and their
         Hello; beyond it the oldest is forgotten (a flood of handshakes cannot grow memory).
     pending_handshake_s: how long a producer rank waits for a Hello after a handshake, on its own clock.
@@ -124,6 +132,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staging_bytes: int = 256 << 20
     cost: CostParams | None = None
     calibrate: bool = True
+    early_completion_grace_s: float = 30.0
+    early_completion_limit: int = 4096
     max_pending_handshakes: int = 1024
     pending_handshake_s: float = 60.0
     notifications_per_poll: int = 1024
@@ -137,7 +147,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
         self._validate_advertise_host()
         for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s",
-                     "pending_handshake_s"):
+                     "early_completion_grace_s", "pending_handshake_s"):
             value = getattr(self, name)
             if name == "heartbeat_interval_s" and value is None:
                 continue
@@ -145,6 +155,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 _bad(name, value, "must be a positive, finite number of seconds")
         if self.heartbeat_every_s >= self.lease_s:
             _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
+        if not isinstance(self.early_completion_limit, int) or self.early_completion_limit <= 0:
+            _bad("early_completion_limit", self.early_completion_limit, "must be a positive integer")
         if not isinstance(self.progress_delay_us, int) or self.progress_delay_us < 0:
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
         if not _is_int(self.max_pending_handshakes) or self.max_pending_handshakes < 1:
@@ -168,6 +180,49 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     _bad(f"cost.{name}", value, "must be a non-negative, finite number of seconds")
         return self
 
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], *, tp_rank: int = 0) -> EngineConfig:
+        """Build and validate a config from plain JSON-like values (vLLM's ``kv_connector_extra_config``).
+
+        Keys are this struct's field names; enums are given by value (``"mode": "pack"``), ``cost``
+        as a dict of CostParams fields. ``side_channel_port`` is the engine's base port: TP rank
+        ``tp_rank`` binds ``base + tp_rank``, and 0 lets every rank pick a free port (read it back
+        from ``Producer.rank_card``). Only settings live here, never secrets.
+
+        Raises:
+            ConfigError: not a mapping, an unknown key, a value of the wrong type or an invalid
+                one; ``field`` names it.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"EngineConfig settings must be a mapping, got {type(config).__name__}", field="*",
+                              value=type(config).__name__)
+        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or tp_rank < 0:
+            raise ConfigError(f"tp_rank={tp_rank!r} must be a non-negative integer", field="tp_rank", value=tp_rank)
+        for key in config:
+            if key not in cls.__struct_fields__:
+                raise ConfigError(f"unknown EngineConfig key {key!r}; known: {', '.join(cls.__struct_fields__)}",
+                                  field=str(key), value=config[key])
+        cost = config.get("cost")
+        if isinstance(cost, Mapping):
+            for key in cost:
+                if key not in CostParams.__struct_fields__:
+                    raise ConfigError(f"unknown EngineConfig key 'cost.{key}'; known: "
+                                      f"{', '.join(CostParams.__struct_fields__)}", field=f"cost.{key}",
+                                      value=cost[key])
+        try:
+            built = msgspec.convert(dict(config), cls, strict=True)
+        except msgspec.ValidationError as exc:
+            field = _path_field(str(exc))
+            raise ConfigError(f"EngineConfig.{field}={_lookup(config, field)!r}: {exc}", field=field,
+                              value=_lookup(config, field)) from exc
+        base = built.side_channel_port
+        if isinstance(base, int) and base:
+            if not 0 < base + tp_rank <= 65535:
+                raise ConfigError(f"side_channel_port={base} + tp_rank {tp_rank} is outside [1, 65535]",
+                                  field="side_channel_port", value=base)
+            built = msgspec.structs.replace(built, side_channel_port=base + tp_rank)
+        return built.validate()
+
     def _validate_advertise_host(self) -> None:
         host = self.advertise_host
         if host is None:
@@ -187,6 +242,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.heartbeat_interval_s is not None:
             return float(self.heartbeat_interval_s)
         return min(5.0, self.lease_s / 4)
+
+
+def _path_field(message: str) -> str:
+    """The field a msgspec ValidationError names (``... - at `$.cost.per_byte_s```), dotted."""
+    match = re.search(r"at `\$\.([^`]+)`", message)
+    return match.group(1) if match else "*"
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
 
 
 def _is_int(value: object) -> bool:

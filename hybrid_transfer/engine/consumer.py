@@ -30,7 +30,6 @@ from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import describe_cache
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
@@ -67,6 +66,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,17 @@ class ConsumerStats:
     revokes: int = 0  # Revoke messages taken in (each acknowledged)
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
     notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
+    declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
+    declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+
+
+@dataclass
+class _Decline:
+    """A ticket this rank will not read, waiting for its producer engine's link."""
+
+    ticket: wire.Ticket
+    link: EngineLink
+    deadline: float
 
 
 class Consumer:
@@ -142,6 +153,7 @@ class Consumer:
         # no READ is judged DONE while one is left (see _advance).
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
+        self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
 
     # ---- handshakes ---------------------------------------------------------------
     def connect(self, address: str, *, timeout_s: float | None = None) -> None:
@@ -249,6 +261,7 @@ class Consumer:
         self._tombstones.prune(now)
         for req in list(self._requests.values()):
             self._advance(req, now)
+        self._advance_declines(now)
         self._heartbeat(now)
         return self._collect(now)
 
@@ -265,6 +278,61 @@ class Consumer:
             return False
         self._end(req, RequestAbortedError(request_id=request_id, state=req.state.value), self._clock())
         return True
+
+    def decline(self, ticket: wire.Ticket) -> bool:
+        """Tell the producer ranks this rank depends on that it will not read ``ticket``'s blocks.
+
+        For requests the embedder drops before their read (aborted before scheduling, or a full
+        local hit): each producer rank this rank would have read from (or notified) gets an
+        ABORTED completion and frees once every expected consumer rank has reported, instead of
+        at lease expiry. Every consumer rank of the engine declines, as every one would have read.
+        Returns at once: a producer engine not handshaked yet is connected first, and poll()
+        sends the completions once the link is ready. Nothing is reported by poll() for a decline.
+        Returns False when the ticket is already being declined or its engine is known to be
+        unreachable or incompatible (its lease then frees the blocks).
+
+        Raises:
+            TicketError: a ticket whose addresses do not match its TP size.
+            RequestStateError: this rank is reading the request (use ``abort``).
+        """
+        self._check_open()
+        rid = ticket.request_id
+        if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:
+            raise TicketError(f"lists {len(ticket.addresses)} addresses for TP {ticket.tp_size}", request_id=rid,
+                              tp_size=ticket.tp_size, addresses=ticket.addresses)
+        if rid in self._requests:
+            raise RequestStateError("is being read here: abort() it instead of declining",
+                                    request_id=rid, state=self._requests[rid].state.value)
+        key = (rid, ticket.nonce)
+        if key in self._declines:
+            return False
+        link = self._peers.ensure(ticket.engine_key, ticket.addresses)
+        if link.state is LinkState.FAILED:
+            self.stats.declines_dropped += 1
+            log.info("consumer %s: cannot decline %r, its engine is unusable: %s", self.agent.name, rid, link.error)
+            return False
+        now = self._clock()
+        self._declines[key] = _Decline(ticket, link, now + self.config.handshake_timeout_s)
+        self._advance_declines(now)
+        return True
+
+    @property
+    def num_pending_declines(self) -> int:
+        """Declines whose producer engine is still being handshaked."""
+        return len(self._declines)
+
+    def _advance_declines(self, now: float) -> None:
+        for key, decline in list(self._declines.items()):
+            link = decline.link.resolve()
+            if link.state is LinkState.READY:
+                del self._declines[key]
+                self._notify_producers(decline.ticket, link, tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify), wire.CompletionKind.ABORTED)
+                self.stats.declines_sent += 1
+            elif link.state is LinkState.FAILED or now >= decline.deadline:
+                del self._declines[key]
+                self.stats.declines_dropped += 1
+                log.info("consumer %s: decline of %r dropped (%s); the producer's lease frees it", self.agent.name,
+                         decline.ticket.request_id, link.error or "handshake deadline")
 
     def mark_blocks_written(self, block_ids: Sequence[int], step: int) -> None:
         """Engine step ``step`` writes these local blocks: a failed or aborted request keeps them until it finished."""
@@ -437,7 +505,11 @@ class Consumer:
         if link.state is not LinkState.READY:
             return  # no producer rank knows this agent yet: their leases free the blocks
         notify = req.notify or tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify)
-        t = req.ticket
+        self._notify_producers(req.ticket, link, notify, kind)
+
+    def _notify_producers(self, t: wire.Ticket, link: EngineLink, notify: Sequence[tuple[int, int]],
+                          kind: wire.CompletionKind) -> None:
+        """One Completion of ``kind`` to each (producer rank, expected consumers) of ``notify``."""
         for source_rank, expected in notify:
             peer = link.agents.get(source_rank)
             if peer is None or peer in self._lost:

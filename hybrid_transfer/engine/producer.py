@@ -25,8 +25,9 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer, describe_cache
+from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.log_gate import LogGate
@@ -34,9 +35,18 @@ from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
-from hybrid_transfer.errors import ConfigError, EngineError, PeerDisconnectedError, RequestStateError, WireDecodeError
+from hybrid_transfer.engine.tickets import RankCard
+from hybrid_transfer.errors import (
+    ConfigError,
+    EngineError,
+    PeerDisconnectedError,
+    RequestStateError,
+    TicketMismatchError,
+    WireDecodeError,
+)
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +65,11 @@ class ProducerStats:
     freed: int = 0  # holds whose blocks went back to the embedder (whatever their terminal state)
     malformed: int = 0  # not a message of ours (garbage, other version or fingerprint, a kind we never get)
     unknown_agent: int = 0  # from an agent that never completed a handshake with this rank
-    unknown_request: int = 0  # a completion for no held request (never, or already ended)
+    unknown_request: int = 0  # a completion for no held request (not yet, or no longer): kept for its hold
+    early_kept: int = 0  # completions kept for a hold that had not happened (engine/early.py)
+    early_replayed: int = 0  # ... taken in by their hold
+    early_lapsed: int = 0  # ... forgotten: no hold within the grace (or the expectation's lease)
+    early_evicted: int = 0  # ... pushed out because too many were kept
     bad_nonce: int = 0  # the request is held, but the sender was not handed its ticket
     duplicate: int = 0  # this consumer rank already reported the request
     inconsistent: int = 0  # an expected-consumer count that contradicts an earlier one
@@ -78,8 +92,9 @@ class Producer:
     Args:
         cache: this rank's cache (its geometry gives tp_rank and tp_size).
         config: engine settings (validated here).
-        engine_id, incarnation: the producer engine's identity; pass the same values on every rank
-            of the engine (defaults: random, fine for a one-rank engine).
+        engine_id: the producer engine's name; pass the same value on every rank of the engine
+            (default: random, fine for a one-rank engine).
+        incarnation: distinguishes a restarted engine from its predecessor; same rule as ``engine_id``.
         clock: monotonic seconds, injectable for tests.
     """
 
@@ -122,6 +137,8 @@ class Producer:
         self.stats = ProducerStats()
         self.fences = StepFences()
         self._book = HoldBook(clock, self.config.lease_s, self.fences)
+        self._early = EarlyCompletions(clock, self.config.early_completion_grace_s, self.config.lease_s,
+                                       self.config.early_completion_limit)
         self._welcomed: set[str] = set()  # consumer agents that said Hello and were welcomed: the only readers
         # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
@@ -154,24 +171,38 @@ class Producer:
         return answer(card, data, self.listener_stats, self._pending.add) if card is not None else None
 
     # ---- requests -----------------------------------------------------------------
-    def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int, *,
-             nonce: int | None = None) -> wire.Ticket:
+    def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None = None,
+             num_tokens: int | None = None, *, nonce: int | None = None,
+             ticket: wire.Ticket | None = None) -> wire.Ticket:
         """Pin a request's blocks and return its ticket.
 
         Call only once the prefill step's writes to these blocks are complete: a READ may start
         the moment the ticket exists. Every rank of the engine holds the request with the same
-        block ids; rank 0 draws the nonce, the other ranks pass ``nonce=ticket.nonce``.
+        block ids and nonce: either rank 0 draws the nonce and the other ranks pass
+        ``nonce=ticket.nonce``, or every rank passes the ``ticket`` its engine's scheduler issued
+        (engine/tickets.py); block ids and token count may then be left out. A ticket must match
+        this rank's view (engine id, incarnation, TP size, addresses, lease, request, blocks, tokens,
+        nonce); it also tells a multi-rank engine its addresses when ``set_engine_addresses`` was not
+        called. Completions that arrived before this call are taken in now (engine/early.py): the
+        request may be released by the next poll().
 
         Raises:
+            TicketMismatchError: the ticket disagrees with this rank (each difference named); nothing pinned.
             RequestStateError: the request is already held.
             PlanError (subclasses): block ids of the wrong count, out of range or repeated.
-            ConfigError: a rank other than 0 without rank 0's nonce, engine addresses not set, or an
-                argument of the wrong type or range (``field`` names it): request_id a non-empty str,
-                num_tokens an int >= 0, nonce an int in [0, 2**63); bools are not ints.
+            ConfigError: a rank other than 0 without rank 0's nonce or a ticket, no block ids, engine
+                addresses not set, or an argument of the wrong type or range (``field`` names it):
+                request_id a non-empty str, num_tokens an int >= 0, nonce an int in [0, 2**63); bools
+                are not ints.
             FenceError: a step marked as writing one of the blocks (mark_blocks_written) has not finished.
         """
         self._check_open()
         request_id = inputs.request_id(request_id)
+        if ticket is not None:
+            block_ids_per_group, num_tokens, nonce = self._check_ticket(request_id, block_ids_per_group, num_tokens,
+                                                                        nonce, ticket)
+        if block_ids_per_group is None:
+            raise ConfigError(f"hold({request_id!r}) needs block ids or a ticket", field="block_ids_per_group")
         num_tokens = inputs.count("num_tokens", num_tokens)
         if nonce is not None:
             nonce = inputs.nonce("nonce", nonce)
@@ -188,14 +219,68 @@ class Producer:
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
         nonce = secrets.randbits(63) if nonce is None else nonce
-        self._book.add(request_id, nonce, block_ids, num_tokens)
+        hold = self._book.add(request_id, nonce, block_ids, num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
-        return wire.Ticket(
+        for sender, completion in self._early.take(request_id, nonce):
+            self.stats.early_replayed += 1
+            if self._book.get(request_id) is hold:  # an earlier replay may have ended it
+                self._count_report(sender, hold, completion)
+        return ticket if ticket is not None else wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
             tp_size=self.tp_size, request_id=request_id, nonce=nonce, block_ids=block_ids,
             num_tokens=num_tokens, state_position=num_tokens, lease_s=float(self.config.lease_s),
         )
+
+    def _check_ticket(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None,
+                      num_tokens: int | None, nonce: int | None, ticket: wire.Ticket):
+        """Every disagreement between ``ticket`` and this rank, raised at once; else the hold's arguments."""
+        if not isinstance(ticket, wire.Ticket):
+            raise ConfigError(f"ticket must be a Ticket, got {type(ticket).__name__}", field="ticket")
+        checks = [
+            ("version", wire.PROTOCOL_VERSION, ticket.version),
+            ("engine_id", self.engine_id, ticket.engine_id),
+            ("incarnation", self.incarnation, ticket.incarnation),
+            ("tp_size", self.tp_size, ticket.tp_size),
+            ("lease_s", float(self.config.lease_s), float(ticket.lease_s)),
+            ("request_id", request_id, ticket.request_id),
+            ("state_position", ticket.num_tokens, ticket.state_position),
+        ]
+        if len(ticket.addresses) != self.tp_size or ticket.addresses[self.tp_rank] != self.address:
+            checks.append(("addresses", f"{self.address} at index {self.tp_rank}", ticket.addresses))
+        elif self.engine_addresses and self.engine_addresses != tuple(ticket.addresses):
+            checks.append(("addresses", self.engine_addresses, ticket.addresses))
+        if block_ids_per_group is not None:
+            given = tuple(tuple(int(b) for b in group) for group in block_ids_per_group)
+            checks.append(("block_ids", given, ticket.block_ids))
+        if num_tokens is not None:
+            checks.append(("num_tokens", num_tokens, ticket.num_tokens))
+        if nonce is not None:
+            checks.append(("nonce", nonce, ticket.nonce))
+        differences = [(name, ours, theirs) for name, ours, theirs in checks if ours != theirs]
+        if differences:
+            raise TicketMismatchError(request_id=request_id, differences=differences)
+        if not self.engine_addresses:
+            self.set_engine_addresses(ticket.addresses)
+        return ticket.block_ids, ticket.num_tokens, ticket.nonce
+
+    def expect(self, request_id: str, nonce: int) -> None:
+        """This rank will hold ``request_id`` with ``nonce`` soon: keep its early completions until then.
+
+        For embedders that learn the nonce before they can hold (a scheduler issued the ticket);
+        the expectation lapses after one lease. Without it, early completions are still kept for
+        ``early_completion_grace_s``.
+        """
+        self._check_open()
+        self._early.expect(request_id, int(nonce))
+
+    @property
+    def rank_card(self) -> RankCard:
+        """What this rank publishes to its engine's scheduler (engine/tickets.py): its bound address included."""
+        return RankCard(engine_id=self.engine_id, incarnation=self.incarnation, tp_rank=self.tp_rank,
+                        tp_size=self.tp_size, address=self.address, lease_s=float(self.config.lease_s),
+                        block_size=self.geometry.block_size, num_blocks=self.cache.num_blocks,
+                        group_kinds=self._kinds, fingerprint=self._digest, agent_name=self.agent.name)
 
     def is_held(self, request_id: str) -> bool:
         """Held and not ended (an aborting request is still held)."""
@@ -271,6 +356,11 @@ class Producer:
         for sender, message in self._inbox.take():
             self._on_notification(sender, message)
         self._log.flush()
+        lapsed = self._early.prune()
+        if lapsed:
+            self.stats.early_lapsed += lapsed
+            log.info("producer %s: %d early completions found no hold in time", self.agent.name, lapsed)
+        self.stats.early_evicted = self._early.stats.evicted
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
@@ -318,14 +408,19 @@ class Producer:
 
     def _on_completion(self, sender: str, body: wire.Completion) -> None:
         hold = self._book.get(body.request_id)
-        if hold is None:
+        if hold is None:  # not held yet (a scheduler issued the ticket) or any more: kept for its hold
             self.stats.unknown_request += 1
+            self._early.keep(sender, body)
+            self.stats.early_kept += 1
             return
         if body.nonce != hold.nonce:
             self.stats.bad_nonce += 1
             self._log.warning("bad nonce", "producer %s: wrong nonce for %r from %s", self.agent.name,
                               body.request_id, sender)
             return
+        self._count_report(sender, hold, body)
+
+    def _count_report(self, sender: str, hold: Hold, body: wire.Completion) -> None:
         heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)
         if heard is Heard.DUPLICATE:
             self.stats.duplicate += 1

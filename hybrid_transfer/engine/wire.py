@@ -12,7 +12,14 @@ Version log:
      renewal), Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists
      revoked tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer closes).
   2: pack mode (issue 6): StagingQuery / StagingReply, side channel only (defined at the end).
-  2: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
+  3: attention KV layout (issue 11): RankDescriptor.kv_layout ("interleaved", vLLM 0.33's
+     [heads][tokens][K|V], or "split" [K | V] halves), last and defaulted; the Fingerprint's
+     kv_layout now carries it (it was the constant "HND"), so a split side and an interleaved
+     side are refused at the handshake with kv_layout named in the diff.
+  4: geometry from a live engine (issue 12): RankDescriptor.conv_dtype, last and defaulted ("": the
+     model dtype), so a peer rebuilds a rank whose engine keeps conv state in another dtype. Tickets
+     are unchanged; their JSON form (engine/ticket_params.py) is not a wire message.
+  4: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
      at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
      (docs/limits.md).
 
@@ -34,7 +41,7 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
