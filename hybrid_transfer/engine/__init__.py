@@ -19,14 +19,14 @@ The doctor (`hybrid-transfer doctor`) lives in hybrid_transfer.doctor and reache
 # Imported on first use, so that a process needing one module (the doctor's loopback children need
 # only agent and config) does not pay for torch through producer and consumer.
 _LAZY = {
-    "quiet_nixl_logging": "agent",
     "EngineConfig": "config", "PrepStrategy": "config", "ProgressPolicy": "config",
     "Consumer": "consumer", "Producer": "producer",
     "FailureCause": "state", "HoldState": "state", "ReadResult": "state", "ReadState": "state",
-    "ticket_from_params": "ticket_params", "ticket_to_params": "ticket_params",
-    "EngineCard": "tickets", "RankCard": "tickets", "decode_rank_card": "tickets", "encode_rank_card": "tickets",
-    "issue_ticket": "tickets",
     "Ticket": "wire", "decode_ticket": "wire", "encode_ticket": "wire",
+    "quiet_nixl_logging": "agent",
+    "ticket_from_params": "ticket_params", "ticket_to_params": "ticket_params",
+    "EngineCard": "tickets", "RankCard": "tickets", "decode_rank_card": "tickets",
+    "encode_rank_card": "tickets", "issue_ticket": "tickets",
 }
 
 __all__ = sorted(_LAZY)

@@ -88,9 +88,9 @@ class ConsumerStats:
     welcomes: int = 0
     revokes: int = 0  # Revoke messages taken in (each acknowledged)
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
-    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
 
 
 @dataclass

@@ -355,12 +355,12 @@ class Producer:
             self.stats.notifications_dropped = self._inbox.num_dropped
         for sender, message in self._inbox.take():
             self._on_notification(sender, message)
-        self._log.flush()
         lapsed = self._early.prune()
         if lapsed:
             self.stats.early_lapsed += lapsed
             log.info("producer %s: %d early completions found no hold in time", self.agent.name, lapsed)
         self.stats.early_evicted = self._early.stats.evicted
+        self._log.flush()
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)

@@ -19,7 +19,7 @@ Version log:
   4: geometry from a live engine (issue 12): RankDescriptor.conv_dtype, last and defaulted ("": the
      model dtype), so a peer rebuilds a rank whose engine keeps conv state in another dtype. Tickets
      are unchanged; their JSON form (engine/ticket_params.py) is not a wire message.
-  4: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
+  -: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
      at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
      (docs/limits.md).
 
