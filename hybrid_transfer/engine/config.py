@@ -110,6 +110,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_pending_handshakes: consumer agents a producer rank remembers between their handshake and their
         Hello; beyond it the oldest is forgotten (a flood of handshakes cannot grow memory).
     pending_handshake_s: how long a producer rank waits for a Hello after a handshake, on its own clock.
+    secret_file: a file holding the shared secret that authenticates handshakes and notifications
+        (engine/auth.py, docs/security.md); None: the ``HYBRID_TRANSFER_SECRET`` environment variable,
+        and without either nothing is authenticated (one warning at start). The path is a setting, the
+        secret never is: it is read at start and never logged.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -131,6 +135,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     early_completion_limit: int = 4096
     max_pending_handshakes: int = 1024
     pending_handshake_s: float = 60.0
+    secret_file: str | None = None
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -154,6 +159,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
         if not _is_int(self.max_pending_handshakes) or self.max_pending_handshakes < 1:
             _bad("max_pending_handshakes", self.max_pending_handshakes, "must be a positive integer")
+        if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
+            _bad("secret_file", self.secret_file, "must be a non-empty path or None")
         if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
             _bad("num_backend_threads", self.num_backend_threads, "must be a non-negative integer")
         if not isinstance(self.mode, PlanMode):

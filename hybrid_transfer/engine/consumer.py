@@ -13,6 +13,11 @@ acknowledged at once. Heartbeats renew the leases of waiting and reading request
 aborted request's blocks go to the quarantine (quarantine.py) and the request is reported only
 once no handle and no unfinished engine step can write them; its producer ranks are told at
 once, so they free early. NIXL reporting a producer agent disconnected fails its requests.
+
+With a shared secret (issue 14, engine/auth.py) every notification both ways is sealed under the
+link key agreed at the handshake; one from a producer agent that fails the check is counted in
+``rejections`` and dropped. What this rank knows of each producer agent is one record
+(peer_record.py) in ``Peers.records``.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import inputs, wire
+from hybrid_transfer.engine import auth, inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.pack_reader import PackReader
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
 from hybrid_transfer.engine.revocations import Tombstones
@@ -89,6 +95,7 @@ class ConsumerStats:
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+    rejected: int = 0  # notifications that failed authentication (by cause: Consumer.rejections)
 
 
 @dataclass
@@ -128,8 +135,10 @@ class Consumer:
             self.descriptor = describe_cache(cache)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
+            self._secret = auth.load_secret(self.config.secret_file)
+            auth.warn_if_open(self._secret, f"consumer {self.agent.name}")
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
-                                clock, self.config.handshake_timeout_s)
+                                clock, self.config.handshake_timeout_s, self._secret)
             # Pack mode (staging reads, engine/pack_reader.py) and every request's timings.
             self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
         except BaseException:
@@ -143,9 +152,8 @@ class Consumer:
         self._quarantine = Quarantine(self.fences)
         self._owners: dict[int, str] = {}  # local block id -> the not yet reported request that owns it
         self._tombstones = Tombstones()
-        self._greeted: set[str] = set()  # producer agents sent a Hello
-        self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
-        self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
+        self._records = self._peers.records  # producer agent -> its one record (stage, link, error when GONE)
+        self.rejections = auth.RejectionLog(f"consumer {self.agent.name}")  # .counts: cause -> dropped
         self._next_heartbeat_at = clock()
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
@@ -361,8 +369,8 @@ class Consumer:
             if link.state is LinkState.READY:
                 lost = self._lost_agent(link)
                 if lost is not None:
-                    self._end(req, SourceLostError(request_id=req.request_id, agent=lost, detail=str(self._lost[lost])),
-                              now, FailureCause.SOURCE_LOST)
+                    self._end(req, SourceLostError(request_id=req.request_id, agent=lost,
+                                                   detail=str(self._records[lost].error)), now, FailureCause.SOURCE_LOST)
                 elif self._greet(link):
                     try:
                         plan = self._plan(req)
@@ -394,7 +402,7 @@ class Consumer:
         for h in bad:
             if isinstance(h.error, PeerDisconnectedError):
                 self._lose(h.peer, h.error)
-        gone = next((h for h in bad if h.peer in self._lost), None)
+        gone = next((h for h in bad if self._is_lost(h.peer)), None)
         if gone is not None:
             self._end(req, SourceLostError(request_id=req.request_id, agent=gone.peer, detail=str(gone.error)), now,
                       FailureCause.SOURCE_LOST)
@@ -507,7 +515,7 @@ class Consumer:
         """One Completion of ``kind`` to each (producer rank, expected consumers) of ``notify``."""
         for source_rank, expected in notify:
             peer = link.agents.get(source_rank)
-            if peer is None or peer in self._lost:
+            if peer is None or self._is_lost(peer):
                 continue
             message = wire.encode(wire.Completion(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
                                                   expected_consumers=expected, kind=kind), self._digest)
@@ -518,7 +526,12 @@ class Consumer:
 
     # ---- notifications to and from producer agents ---------------------------------------
     def _send(self, peer: str, message: bytes) -> bool:
-        """One notification; False when it failed (a disconnected agent is then marked lost)."""
+        """One notification, sealed under the peer's link when a secret is set; False when it failed (a
+        disconnected agent is then marked lost)."""
+        record = self._records.get(peer)
+        if record is not None and record.link is not None:
+            counter, mac = record.link.seal(message)
+            message = wire.encode(wire.Sealed(counter=counter, mac=mac, message=message), self._digest)
         try:
             self.agent.send_notif(peer, message)
             return True
@@ -532,12 +545,13 @@ class Consumer:
         """Say Hello once to each producer agent of a ready link; True once every one has welcomed us."""
         welcomed = True
         for agent in link.agents.values():
-            if agent not in self._greeted and agent not in self._lost:
-                self._greeted.add(agent)
+            record = self._records[agent]
+            if record.stage is PeerStage.HANDSHAKEN:
+                advance(record, PeerStage.GREETED, self._clock())
                 if self._send(agent, wire.encode(wire.Hello(consumer_rank=self.tp_rank,
                                                             agent_metadata=self._metadata), self._digest)):
                     self.stats.hellos_sent += 1
-            welcomed = welcomed and agent in self._welcomed
+            welcomed = welcomed and record.stage is PeerStage.WELCOMED
         return welcomed
 
     def _take_notifications(self) -> None:
@@ -546,12 +560,21 @@ class Consumer:
                 self._on_notification(sender, message)
 
     def _on_notification(self, sender: str, message: bytes) -> None:
+        record = self._records.get(sender)
         try:
-            env, body = wire.decode(message)
+            env = wire.decode_envelope(message)
+            if env.fingerprint != self._digest or record is None or record.stage not in (
+                    PeerStage.GREETED, PeerStage.WELCOMED):
+                self.stats.unexpected_notifications += 1
+                return
+            if record.link is not None:
+                env = self._unseal(sender, env, record)
+                if env is None:
+                    return
+            elif env.kind is wire.Kind.SEALED:
+                raise WireDecodeError("a sealed notification, but this consumer has no secret")
+            body = wire.decode_body(env)
         except WireDecodeError:
-            self.stats.unexpected_notifications += 1
-            return
-        if env.fingerprint != self._digest or sender not in self._greeted:
             self.stats.unexpected_notifications += 1
             return
         now = self._clock()
@@ -559,13 +582,37 @@ class Consumer:
             self.stats.welcomes += 1
             for ref in body.revoked:
                 self._revoke(ref, sender, now + body.lease_s)
-            self._welcomed.add(sender)
+            if record.stage is PeerStage.GREETED:
+                advance(record, PeerStage.WELCOMED, now)
         elif isinstance(body, wire.Revoke):
             self.stats.revokes += 1
             self._revoke(body.request, sender, now + body.lease_s)
             self._send(sender, wire.encode(wire.RevokeAck(request=body.request), self._digest))
         else:
             self.stats.unexpected_notifications += 1
+
+    def _unseal(self, sender: str, env: wire.Envelope, record: PeerRecord) -> wire.Envelope | None:
+        """The inner envelope of a sealed notification that passes its link's check; None when rejected.
+
+        Raises:
+            WireDecodeError: a sealed message (or its inner envelope) that does not decode.
+        """
+        if env.kind is not wire.Kind.SEALED:
+            cause = "unsealed"
+        else:
+            sealed = wire.decode_body(env)
+            try:
+                record.link.check(sealed.counter, sealed.mac, sealed.message)
+            except auth.Rejected as exc:
+                cause = exc.cause
+            else:
+                inner = wire.decode_envelope(sealed.message)
+                if inner.fingerprint != self._digest or inner.kind is wire.Kind.SEALED:
+                    raise WireDecodeError("a sealed notification whose inner message is not ours")
+                return inner
+        self.stats.rejected += 1
+        self.rejections.add(cause, sender, self._clock())
+        return None
 
     def _revoke(self, ref: wire.RequestRef, agent: str, until: float) -> None:
         """Remember a revoked ticket; a request reading it fails (it must never be reported DONE)."""
@@ -588,7 +635,7 @@ class Consumer:
                 for agent in link.agents.values():
                     per_agent.setdefault(agent, []).append(ref)
         for agent, refs in per_agent.items():
-            if agent in self._lost:
+            if self._is_lost(agent):
                 continue
             message = wire.encode(wire.Heartbeat(consumer_rank=self.tp_rank, requests=tuple(refs)), self._digest)
             if self._send(agent, message):
@@ -597,12 +644,18 @@ class Consumer:
                 self.stats.heartbeat_failures += 1
 
     def _lose(self, agent: str, error: BaseException) -> None:
-        if agent not in self._lost:
-            self._lost[agent] = error
+        record = self._records.setdefault(agent, PeerRecord(agent))
+        if record.stage is not PeerStage.GONE:
+            advance(record, PeerStage.GONE, self._clock())
+            record.error = error
             log.warning("consumer %s: producer agent %s is gone: %s", self.agent.name, agent, error)
 
+    def _is_lost(self, agent: str) -> bool:
+        record = self._records.get(agent)
+        return record is not None and record.stage is PeerStage.GONE
+
     def _lost_agent(self, link: EngineLink) -> str | None:
-        return next((a for a in link.agents.values() if a in self._lost), None)
+        return next((a for a in link.agents.values() if self._is_lost(a)), None)
 
     def _deadline_error(self, req: ReadRequest) -> ReadDeadlineError:
         return ReadDeadlineError(request_id=req.request_id, deadline_s=self.config.read_deadline_s,
@@ -619,8 +672,8 @@ class Consumer:
             return
         self._closed = True
         bye = None
-        for agent in getattr(self, "_greeted", ()):
-            if agent not in self._lost:
+        for agent, record in list(getattr(self, "_records", {}).items()):
+            if record.stage in (PeerStage.GREETED, PeerStage.WELCOMED):
                 bye = bye or wire.encode(wire.Bye(consumer_rank=self.tp_rank), self._digest)
                 self._send(agent, bye)
         if bye is not None:
