@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import auth, inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
@@ -63,6 +63,7 @@ from hybrid_transfer.errors import (
     RequestStateError,
     SourceLostError,
     StatePositionError,
+    TicketClaimError,
     TicketError,
     TicketRevokedError,
     UnsupportedError,
@@ -96,6 +97,9 @@ class ConsumerStats:
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
     rejected: int = 0  # notifications that failed authentication (by cause: Consumer.rejections)
+    claims_sent: int = 0  # one per source agent per request read (claims.py)
+    claims_confirmed: int = 0
+    claims_refused: int = 0  # ... each fails its request (ticket_replayed, ticket_edited or revoked)
 
 
 @dataclass
@@ -392,7 +396,7 @@ class Consumer:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
-            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req):
+            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not req.awaiting_claims:
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -433,6 +437,17 @@ class Consumer:
             req.num_bytes += handle.num_bytes
             req.num_descriptors += handle.num_descriptors
             self.stats.reads_posted += 1
+        self._claim(req, [link.agents[src.source_rank] for src in plan.sources])
+
+    def _claim(self, req: ReadRequest, agents: Sequence[str]) -> None:
+        """Claim the ticket at every source agent, with the READs (claims.py): DONE waits for their confirmations."""
+        t = req.ticket
+        message = wire.encode(wire.Claim(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
+                                         digest=claims.digest_of(t)), self._digest)
+        for agent in dict.fromkeys(agents):
+            req.awaiting_claims.add(agent)
+            if self._send(agent, message):
+                self.stats.claims_sent += 1
 
     def _on_post_error(self, req: ReadRequest, peer: str, exc: HybridTransferError, now: float) -> None:
         if isinstance(exc, PeerDisconnectedError):
@@ -505,6 +520,8 @@ class Consumer:
     def _tell_producers(self, req: ReadRequest, kind: wire.CompletionKind) -> None:
         """Tell every producer rank the request depends on that this rank is finished with it (DESIGN 3)."""
         link = req.link.resolve()
+        if req.disowned:
+            return  # a producer refused our claim: this rank has no standing to report on the ticket
         if link.state is not LinkState.READY:
             return  # no producer rank knows this agent yet: their leases free the blocks
         notify = req.notify or tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify)
@@ -584,6 +601,8 @@ class Consumer:
                 self._revoke(ref, sender, now + body.lease_s)
             if record.stage is PeerStage.GREETED:
                 advance(record, PeerStage.WELCOMED, now)
+        elif isinstance(body, wire.ClaimReply):
+            self._on_claim_reply(sender, body, now)
         elif isinstance(body, wire.Revoke):
             self.stats.revokes += 1
             self._revoke(body.request, sender, now + body.lease_s)
@@ -613,6 +632,24 @@ class Consumer:
         self.stats.rejected += 1
         self.rejections.add(cause, sender, self._clock())
         return None
+
+    def _on_claim_reply(self, sender: str, body: wire.ClaimReply, now: float) -> None:
+        req = self._requests.get(body.request.request_id)
+        if req is None or req.ticket.nonce != body.request.nonce or sender not in req.awaiting_claims or (
+                body.consumer_rank != self.tp_rank):
+            self.stats.unexpected_notifications += 1
+            return
+        req.awaiting_claims.discard(sender)
+        if body.status is wire.ClaimStatus.CONFIRMED:
+            self.stats.claims_confirmed += 1
+            return
+        self.stats.claims_refused += 1
+        req.disowned = body.status is not wire.ClaimStatus.REVOKED  # a revocation is acknowledged as usual
+        cause = {wire.ClaimStatus.EDITED: FailureCause.TICKET_EDITED,
+                 wire.ClaimStatus.REVOKED: FailureCause.REVOKED}.get(body.status, FailureCause.TICKET_REPLAYED)
+        if req.state in _LIVE:
+            self._end(req, TicketClaimError(request_id=req.request_id, nonce=req.ticket.nonce,
+                                            status=body.status.name.lower(), agent=sender), now, cause)
 
     def _revoke(self, ref: wire.RequestRef, agent: str, until: float) -> None:
         """Remember a revoked ticket; a request reading it fails (it must never be reported DONE)."""

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import auth, inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.early import EarlyCompletions
@@ -56,7 +56,7 @@ log = logging.getLogger(__name__)
 
 _MAX_EXPECTED_CONSUMERS = 1 << 16
 # What consumers send a producer rank; any other kind arriving as a notification is malformed.
-_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye)
+_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye, wire.Claim)
 
 
 @dataclass
@@ -88,6 +88,9 @@ class ProducerStats:
     handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
     handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
     rejected: int = 0  # notifications that failed authentication or named another rank (by cause: rejections)
+    claims_confirmed: int = 0  # claims on a live, unclaimed, unedited ticket (claims.py)
+    claims_refused: int = 0  # ... answered otherwise (replayed, ended, revoked, edited)
+    claims_kept: int = 0  # claims for a request not held (yet): kept like early completions
 
 
 class Producer:
@@ -229,11 +232,15 @@ class Producer:
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
         nonce = secrets.randbits(63) if nonce is None else nonce
         hold = self._book.add(request_id, nonce, block_ids, num_tokens)
+        hold.digest = claims.ticket_digest(self.engine_id, self.incarnation, request_id, nonce, block_ids, num_tokens,
+                                           num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
         for sender, completion in self._early.take(request_id, nonce):
             self.stats.early_replayed += 1
-            if self._book.get(request_id) is hold:  # an earlier replay may have ended it
+            if isinstance(completion, wire.Claim):
+                self._on_claim(sender, completion)
+            elif self._book.get(request_id) is hold:  # an earlier replay may have ended it
                 self._count_report(sender, hold, completion)
         return ticket if ticket is not None else wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
@@ -408,6 +415,8 @@ class Producer:
             self._on_heartbeat(body)
         elif isinstance(body, wire.Hello):
             self._on_hello(sender, body, record)
+        elif isinstance(body, wire.Claim):
+            self._on_claim(sender, body)
         elif isinstance(body, wire.RevokeAck):
             heard = self._book.ack(body.request.request_id, body.request.nonce, sender)
             if heard is Heard.STALE:
@@ -469,6 +478,37 @@ class Producer:
             log.warning("producer %s: wrong nonce for %r from %s", self.agent.name, body.request_id, sender)
             return
         self._count_report(sender, hold, body)
+
+    def _on_claim(self, sender: str, body: wire.Claim) -> None:
+        """Confirm a consumer rank's first claim on a live ticket this rank holds as given; refuse any other."""
+        hold = self._book.get(body.request_id)
+        key = (body.request_id, body.nonce)
+        if hold is not None and hold.nonce == body.nonce:
+            if hold.state is not HoldState.HELD:
+                status = wire.ClaimStatus.REVOKED
+            elif not auth.same(body.digest, hold.digest):
+                status = wire.ClaimStatus.EDITED
+            elif body.consumer_rank in hold.claimed:
+                status = wire.ClaimStatus.CLAIMED
+            else:
+                hold.claimed.add(body.consumer_rank)
+                status = wire.ClaimStatus.CONFIRMED
+        elif key in self._book.ended or key in self._book.revocations():
+            status = wire.ClaimStatus.ENDED
+        elif hold is not None:
+            status = wire.ClaimStatus.ENDED  # re-held with another nonce: this ticket is over
+        else:  # not held yet (a scheduler issued the ticket): answered at its hold
+            self.stats.claims_kept += 1
+            self._early.keep(sender, body)  # type: ignore[arg-type]
+            return
+        if status is wire.ClaimStatus.CONFIRMED:
+            self.stats.claims_confirmed += 1
+        else:
+            self.stats.claims_refused += 1
+            log.info("producer %s: claim of %r by rank %d refused: %s", self.agent.name, body.request_id,
+                     body.consumer_rank, status.name)
+        self._notify(sender, wire.ClaimReply(request=wire.RequestRef(body.request_id, body.nonce),
+                                             consumer_rank=body.consumer_rank, status=status))
 
     def _count_report(self, sender: str, hold: Hold, body: wire.Completion) -> None:
         heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)

@@ -23,7 +23,8 @@ Version log:
      last and defaulted (empty without a secret); AuthChallenge (a producer with a secret answers a
      first request with its server nonce and proof, and sends agent metadata only after the
      consumer's proof); Sealed (with a secret, every NIXL notification is an inner envelope with a
-     per-link counter and a MAC under the link key). Tickets are unchanged.
+     per-link counter and a MAC under the link key). Claim / ClaimReply (single-use tickets,
+     engine/claims.py): DONE only after the producer confirmed the claim. Tickets are unchanged.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -79,6 +80,8 @@ class Kind(enum.IntEnum):
     BYE = 10
     AUTH_CHALLENGE = 11
     SEALED = 12
+    CLAIM = 13
+    CLAIM_REPLY = 14
     STAGING_QUERY = 20  # pack mode (issue 6); numbered apart so other additions never collide
     STAGING_REPLY = 21
 
@@ -118,6 +121,33 @@ class Sealed(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like
     counter: Nonce  # strictly increasing per link and direction
     mac: AuthBytes
     message: bytes
+
+
+class ClaimStatus(enum.IntEnum):
+    """A producer rank's answer to a claim; only CONFIRMED lets the consumer report DONE."""
+
+    CONFIRMED = 1  # held with this nonce, the digest matches, and this consumer rank's first claim
+    CLAIMED = 2  # this consumer rank already claimed this ticket: a replay
+    ENDED = 3  # the request was freed, expired or aborted (or re-held with another nonce)
+    REVOKED = 4  # the request is being aborted
+    EDITED = 5  # the ticket's fields differ from what this rank holds
+
+
+class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="claim"):
+    """A consumer rank posted READs of a ticket (engine/claims.py): is it live and unclaimed?"""
+
+    request_id: RequestId
+    nonce: Nonce
+    consumer_rank: Count
+    digest: AuthBytes  # claims.ticket_digest of the ticket as the consumer read by it
+
+
+class ClaimReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="claim_reply"):
+    """The producer rank's verdict on one claim."""
+
+    request: RequestRef
+    consumer_rank: Count
+    status: ClaimStatus
 
 
 class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -238,7 +268,7 @@ class Bye(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="bye"):
 
 
 Body = (HandshakeRequest | HandshakeReply | Completion | ErrorReply | Heartbeat | Hello | Welcome | Revoke
-        | RevokeAck | Bye | AuthChallenge | Sealed)
+        | RevokeAck | Bye | AuthChallenge | Sealed | Claim | ClaimReply)
 _BODY_OF_KIND = {
     Kind.HANDSHAKE_REQUEST: HandshakeRequest,
     Kind.HANDSHAKE_REPLY: HandshakeReply,
@@ -252,6 +282,8 @@ _BODY_OF_KIND = {
     Kind.BYE: Bye,
     Kind.AUTH_CHALLENGE: AuthChallenge,
     Kind.SEALED: Sealed,
+    Kind.CLAIM: Claim,
+    Kind.CLAIM_REPLY: ClaimReply,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)

@@ -43,3 +43,7 @@ def sealed_notify(state, key, peer, message) -> bool:
 
 def rejections(state, key) -> dict:
     return dict(state.ranks[key].engine.rejections.counts)
+
+
+def failure_causes(state, key) -> dict:
+    return dict(state.ranks[key].engine.failure_causes)
