@@ -9,8 +9,9 @@ fourth layer. For each (prefill TP P, decode TP D) and attention layout:
      sharding rule (KV heads; conv Q, K and V each sharded on its own; ssm value heads), through
      the cache's typed views. Each holds the request (rank 0 draws the nonce, every rank shares it).
   2. D decode processes read the ticket with real Producer / Consumer engines over NIXL.
-  3. Decode rank 0 collects the D shards, rebuilds the full KV and state by the same rule and
-     greedy-decodes from the last prompt token with the same reference code.
+  3. Each decode rank copies its shard out of its blocks; decode rank 0 gets all D of them,
+     rebuilds the full KV and state by the same rule and greedy-decodes from the last prompt
+     token with the same reference code.
 
 The TP split is storage only (no sharded compute), so the tokens and the logits of every step
 must equal a single-process run bit for bit. Two negative controls show that the check can fail:
@@ -18,6 +19,7 @@ a consumer expecting the prompt length N instead of N-1 is refused before any re
 state after N tokens sent under a ticket that claims N-1 changes the logits of the first step.
 
 Run: python examples/tiny_hybrid_parity.py [--short] [--pairs 1:1,2:4,4:2] [--layouts interleaved,split]
+                                           [--mode coalesced|naive|pack|auto]
 Exit status 0 only when every comparison holds and both controls fail the way they must.
 """
 
@@ -314,6 +316,14 @@ def _geometry(layout: str, tp: int, rank: int, side: str):
     return RankGeometry(MODEL, tp, rank, _options(layout, **(DECODE_OPTIONS if side == "decode" else {})))
 
 
+def _engine_config(mode: str):
+    from hybrid_transfer import EngineConfig
+    from hybrid_transfer.plan import PlanMode
+
+    # A staging pool of 1 MiB holds any request of this model many times over.
+    return EngineConfig(mode=PlanMode(mode), staging_bytes=1 << 20)
+
+
 class _Host:
     """The ranks of one worker process: producers are polled (so they serve reads and free), consumers read."""
 
@@ -333,11 +343,11 @@ class _Host:
                 for result in engine.poll():
                     self.results[key][result.request_id] = result
 
-    def create_producer(self, key, layout, tp, rank, engine_id, incarnation):
+    def create_producer(self, key, layout, tp, rank, engine_id, incarnation, mode):
         from hybrid_transfer import HybridCache, Producer
 
         cache = HybridCache.allocate(_geometry(layout, tp, rank, "prefill"), **PREFILL_BLOCKS)
-        self.ranks[key] = Producer(cache, engine_id=engine_id, incarnation=incarnation)
+        self.ranks[key] = Producer(cache, _engine_config(mode), engine_id=engine_id, incarnation=incarnation)
         self.freed[key] = set()
         return self.ranks[key].address
 
@@ -353,13 +363,13 @@ class _Host:
         write_shard(producer.cache, state, block_ids, ticket_tokens)
         return encode_ticket(producer.hold(request_id, block_ids, ticket_tokens, nonce=nonce))
 
-    def create_consumer(self, key, layout, tp, rank, engine_id):
+    def create_consumer(self, key, layout, tp, rank, engine_id, mode):
         from hybrid_transfer import Consumer, HybridCache
         from hybrid_transfer.verify import poison
 
         cache = HybridCache.allocate(_geometry(layout, tp, rank, "decode"), **DECODE_BLOCKS)
         poison(cache)  # so "nothing was written" can be checked byte by byte
-        self.ranks[key] = Consumer(cache, engine_id=engine_id)
+        self.ranks[key] = Consumer(cache, _engine_config(mode), engine_id=engine_id)
         self.results[key] = {}
 
     def start_read(self, key, ticket_bytes, local_ids, expected_state_position):
@@ -384,7 +394,8 @@ class _Host:
         result = self.results[key].pop(request_id, None)
         if result is None:
             return {"state": "timeout"}
-        out = {"state": result.state.value, "num_bytes": result.num_bytes, "error": repr(result.error)}
+        out = {"state": result.state.value, "num_bytes": result.num_bytes, "error": repr(result.error),
+               "num_descriptors": result.num_descriptors, "num_packed_sources": result.num_packed_sources}
         if result.ok:
             out["shard"] = read_shard(self.ranks[key].cache, local_ids, num_tokens)
         return out
@@ -466,6 +477,8 @@ class Transfer:
 
     states: list[str]
     num_bytes: list[int]
+    num_descriptors: list[int] = field(default_factory=list)
+    num_packed_sources: list[int] = field(default_factory=list)
     tokens: list[int] | None = None
     logits: torch.Tensor | None = None
     refusal: tuple | None = None
@@ -482,7 +495,7 @@ def _block_ids(layout: str, tp: int, side: str, num_tokens: int, seed: int):
 
 
 def transfer(workers, layout: str, p: int, d: int, prompt: list[int], *, state_tokens: int, ticket_tokens: int,
-             expected_state_position: int, steps: int) -> Transfer:
+             expected_state_position: int, steps: int, mode: str) -> Transfer:
     """Prefill on workers [0, p), read on workers [p, p + d), decode on decode rank 0."""
     tag = uuid.uuid4().hex[:6]
     rid = f"req-{tag}"
@@ -491,7 +504,7 @@ def transfer(workers, layout: str, p: int, d: int, prompt: list[int], *, state_t
     d_keys = [f"decode-{tag}-{r}" for r in range(d)]
     incarnation = int.from_bytes(os.urandom(6), "little")
     try:
-        addresses = [w.call("create_producer", k, layout, p, r, f"prefill-{tag}", incarnation)
+        addresses = [w.call("create_producer", k, layout, p, r, f"prefill-{tag}", incarnation, mode)
                      for r, (w, k) in enumerate(zip(prefill_workers, p_keys, strict=True))]
         if p > 1:
             for w, k in zip(prefill_workers, p_keys, strict=True):
@@ -507,14 +520,15 @@ def transfer(workers, layout: str, p: int, d: int, prompt: list[int], *, state_t
             if w.call("prefill_and_hold", k, rid, prompt, state_tokens, ticket_tokens, remote_ids, nonce) != ticket:
                 raise AssertionError(f"prefill rank {k} issued a different ticket")
         for r, (w, k) in enumerate(zip(decode_workers, d_keys, strict=True)):
-            w.call("create_consumer", k, layout, d, r, f"decode-{tag}")
+            w.call("create_consumer", k, layout, d, r, f"decode-{tag}", mode)
         refusals = [w.call("start_read", k, ticket, local_ids, expected_state_position)
                     for w, k in zip(decode_workers, d_keys, strict=True)]
         if any(refusals):
             return Transfer([], [], refusal=next(r for r in refusals if r))
         reads = [w.call("wait_read", k, rid, local_ids, ticket_tokens, 60.0)
                  for w, k in zip(decode_workers, d_keys, strict=True)]
-        out = Transfer([r["state"] for r in reads], [r.get("num_bytes", 0) for r in reads])
+        out = Transfer([r["state"] for r in reads], [r.get("num_bytes", 0) for r in reads],
+                       [r.get("num_descriptors", 0) for r in reads], [r.get("num_packed_sources", 0) for r in reads])
         if all(r["state"] == "done" for r in reads):
             out.tokens, out.logits = decode_workers[0].call("decode", [r["shard"] for r in reads],
                                                             prompt[ticket_tokens], steps)
@@ -551,10 +565,10 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> str:
     return f"max |diff| {float((a - b).abs().max()):.3g}"
 
 
-def check_pair(workers, layout, p, d, prompt, ref_tokens, ref_logits, steps) -> bool:
+def check_pair(workers, layout, p, d, prompt, ref_tokens, ref_logits, steps, mode) -> bool:
     n = len(prompt)
     t = transfer(workers, layout, p, d, prompt, state_tokens=n - 1, ticket_tokens=n - 1,
-                 expected_state_position=n - 1, steps=steps)
+                 expected_state_position=n - 1, steps=steps, mode=mode)
     ok = t.tokens is not None and t.tokens == ref_tokens and torch.equal(t.logits, ref_logits)
     if t.tokens is None:
         detail = f"reads {t.states}" if t.refusal is None else f"refused: {t.refusal[:2]}"
@@ -563,17 +577,22 @@ def check_pair(workers, layout, p, d, prompt, ref_tokens, ref_logits, steps) -> 
         same_steps = sum(torch.equal(a, b) for a, b in zip(t.logits, ref_logits, strict=True))
         detail = (f"tokens {same_tokens}/{steps} equal, logits {same_steps}/{steps} steps bit-equal"
                   + ("" if ok else f" ({_diff(t.logits, ref_logits)})"))
-    bytes_per_rank = "/".join(str(b) for b in t.num_bytes)
-    print(f"  {layout:<11} P{p} -> D{d}  bytes per decode rank {bytes_per_rank:<23} {detail}  "
-          f"{'PASS' if ok else 'FAIL'}", flush=True)
+    def per_rank(values):
+        return "/".join(map(str, values))
+
+    moved = f"bytes {per_rank(t.num_bytes)}, descriptors {per_rank(t.num_descriptors)}"
+    if mode in ("pack", "auto"):
+        moved += f", packed sources {per_rank(t.num_packed_sources)}"
+    print(f"  {layout:<11} P{p} -> D{d}  per decode rank: {moved}\n    {detail}  {'PASS' if ok else 'FAIL'}",
+          flush=True)
     return ok
 
 
-def check_controls(workers, layout, prompt, ref_tokens, ref_logits, steps) -> bool:
+def check_controls(workers, layout, prompt, ref_tokens, ref_logits, steps, mode) -> bool:
     n = len(prompt)
     print(f"negative controls ({layout}, P1 -> D1):", flush=True)
     t = transfer(workers, layout, 1, 1, prompt, state_tokens=n - 1, ticket_tokens=n - 1,
-                 expected_state_position=n, steps=steps)
+                 expected_state_position=n, steps=steps, mode=mode)
     refused = t.refusal is not None and t.refusal[0] == "StatePositionError" and t.refusal[2:] == (0, 0, False)
     what = (f"refused with {t.refusal[0]} ({t.refusal[1]}); READs posted {t.refusal[2]}, "
             f"requests active {t.refusal[3]}, local bytes touched {t.refusal[4]}") if t.refusal else f"not refused: {t}"
@@ -581,7 +600,7 @@ def check_controls(workers, layout, prompt, ref_tokens, ref_logits, steps) -> bo
           f"{'PASS' if refused else 'FAIL'}", flush=True)
 
     t = transfer(workers, layout, 1, 1, prompt, state_tokens=n, ticket_tokens=n - 1, expected_state_position=n - 1,
-                 steps=steps)
+                 steps=steps, mode=mode)
     differs = t.logits is not None and not torch.equal(t.logits[0], ref_logits[0])
     if t.logits is None:
         what = f"reads {t.states}"
@@ -601,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="prefill:decode TP pairs")
     parser.add_argument("--layouts", default="interleaved,split", help="attention layouts, comma separated")
     parser.add_argument("--short", action="store_true", help="CI version: 2:4 interleaved plus the negative controls")
+    parser.add_argument("--mode", choices=["coalesced", "naive", "pack", "auto"], default="coalesced",
+                        help="plan mode of every engine")
     parser.add_argument("--steps", type=int, default=DECODE_STEPS, help="greedy decode steps")
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="prompt length N (N-1 move)")
     args = parser.parse_args(argv)
@@ -625,15 +646,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} greedy steps", flush=True)
     print(f"single-process reference tokens: {' '.join(map(str, ref_tokens))}", flush=True)
 
-    ctx = mp.get_context("spawn")
+    # forkserver: torch and the engine are imported once, in the server, and every worker forks from it
+    # (spawned workers would each import them again, seconds of CPU apiece). No thread exists in the
+    # server when it forks: torch starts its pools on first use, NIXL its threads in an agent.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "hybrid_transfer.engine"])
     workers = [Worker(ctx, i) for i in range(max(p + d for p, d in pairs))]
     ok = True
     try:
-        print("transfers (every decode step's logits compared bit for bit with the reference):", flush=True)
+        print(f"transfers in {args.mode} mode (every decode step's logits compared bit for bit with the reference):",
+              flush=True)
         for layout in layouts:
             for p, d in pairs:
-                ok &= check_pair(workers, layout, p, d, prompt, ref_tokens, ref_logits, args.steps)
-        ok &= check_controls(workers, layouts[0], prompt, ref_tokens, ref_logits, args.steps)
+                ok &= check_pair(workers, layout, p, d, prompt, ref_tokens, ref_logits, args.steps, args.mode)
+        ok &= check_controls(workers, layouts[0], prompt, ref_tokens, ref_logits, args.steps, args.mode)
     finally:
         for w in workers:  # all at once: each exit tears down torch and UCX
             w.stop()

@@ -7,7 +7,7 @@ Layers, imports pointing down:
   planner_input a cache as the planner sees it: RankDescriptor and MemorySpace
   engine/       the only code that imports NIXL or ZeroMQ (DESIGN 4)
   integrations/ the only code that imports vLLM
-  bench/, cli/  the microbenchmark and the command line
+  bench/, doctor/, cli/  the microbenchmark, the host checks (NIXL through engine's agent), the command line
 """
 
 from hybrid_transfer.errors import HybridTransferError

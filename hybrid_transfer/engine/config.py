@@ -43,6 +43,7 @@ from typing import Any
 
 import msgspec
 
+from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.plan.types import PlanMode
 
@@ -110,6 +111,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_pending_handshakes: consumer agents a producer rank remembers between their handshake and their
         Hello; beyond it the oldest is forgotten (a flood of handshakes cannot grow memory).
     pending_handshake_s: how long a producer rank waits for a Hello after a handshake, on its own clock.
+    notifications_per_poll: NIXL notifications one poll() decodes and acts on; the rest wait for the
+        next poll (engine/inbox.py), so a flood cannot stall the owner's loop.
+    notification_backlog_bytes: notifications carried over to later polls, at most; what arrives beyond
+        it is dropped and counted (at least MAX_MESSAGE_BYTES, so any message of ours fits).
     secret_file: a file holding the shared secret that authenticates handshakes and notifications
         (engine/auth.py, docs/security.md); None: the ``HYBRID_TRANSFER_SECRET`` environment variable,
         and without either nothing is authenticated (one warning at start). The path is a setting, the
@@ -135,6 +140,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     early_completion_limit: int = 4096
     max_pending_handshakes: int = 1024
     pending_handshake_s: float = 60.0
+    notifications_per_poll: int = 1024
+    notification_backlog_bytes: int = 64 << 20
     secret_file: str | None = None
 
     def validate(self) -> EngineConfig:
@@ -159,6 +166,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
         if not _is_int(self.max_pending_handshakes) or self.max_pending_handshakes < 1:
             _bad("max_pending_handshakes", self.max_pending_handshakes, "must be a positive integer")
+        if not _is_int(self.notifications_per_poll) or self.notifications_per_poll < 1:
+            _bad("notifications_per_poll", self.notifications_per_poll, "must be a positive integer")
+        if not _is_int(self.notification_backlog_bytes) or self.notification_backlog_bytes < MAX_MESSAGE_BYTES:
+            _bad("notification_backlog_bytes", self.notification_backlog_bytes,
+                 f"must be an integer of at least {MAX_MESSAGE_BYTES} (one message of the largest size)")
         if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
             _bad("secret_file", self.secret_file, "must be a non-empty path or None")
         if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:

@@ -35,6 +35,7 @@ from hybrid_transfer.engine import auth, claims, inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
@@ -96,6 +97,7 @@ class ConsumerStats:
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
     rejected: int = 0  # notifications that failed authentication (by cause: Consumer.rejections)
     claims_sent: int = 0  # one per source agent per request read (claims.py)
     claims_confirmed: int = 0
@@ -159,6 +161,9 @@ class Consumer:
         self._records = self._peers.records  # producer agent -> its one record (stage, link, error when GONE)
         self.rejections = auth.RejectionLog(f"consumer {self.agent.name}")  # .counts: cause -> dropped
         self._next_heartbeat_at = clock()
+        # At most notifications_per_poll handled per poll (inbox.py). A Revoke may wait in the backlog, so
+        # no READ is judged DONE while one is left (see _advance).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
 
@@ -396,7 +401,8 @@ class Consumer:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
-            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not req.awaiting_claims:
+            elif (all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox)
+                  and not req.awaiting_claims):
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -572,9 +578,10 @@ class Consumer:
         return welcomed
 
     def _take_notifications(self) -> None:
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._inbox.put(self.agent.get_notifs())
+        self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
 
     def _on_notification(self, sender: str, message: bytes) -> None:
         record = self._records.get(sender)

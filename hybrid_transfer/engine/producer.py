@@ -34,6 +34,8 @@ from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
+from hybrid_transfer.engine.inbox import Inbox
+from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
 from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
@@ -87,6 +89,7 @@ class ProducerStats:
     notify_failures: int = 0  # a Welcome or Revoke that could not be sent (the agent is then forgotten)
     handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
     handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
     rejected: int = 0  # notifications that failed authentication or named another rank (by cause: rejections)
     claims_confirmed: int = 0  # claims on a live, unclaimed, unedited ticket (claims.py)
     claims_refused: int = 0  # ... answered otherwise (replayed, ended, revoked, edited)
@@ -154,6 +157,9 @@ class Producer:
         # Consumer agents that said Hello and were welcomed (stage WELCOMED): the only readers.
         self._peers: dict[str, PeerRecord] = {}
         self.rejections = auth.RejectionLog(f"producer {self.agent.name}")  # .counts: cause -> dropped
+        # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
+        self._log = LogGate(log, clock)
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -316,6 +322,11 @@ class Producer:
         return self._book.num_pinned_blocks
 
     @property
+    def notification_backlog(self) -> int:
+        """Notifications taken from NIXL and left for a later poll (at most notifications_per_poll per poll)."""
+        return len(self._inbox)
+
+    @property
     def num_pending_handshakes(self) -> int:
         """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see pending.py)."""
         return len(self._pending)
@@ -359,14 +370,19 @@ class Producer:
         self._pending.expire()
         self.stats.handshakes_evicted = self._pending.num_evicted
         self.stats.handshakes_expired = self._pending.num_expired
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._inbox.put(self.agent.get_notifs())  # every poll: it also progresses the target side of READs
+        if self._inbox.num_dropped > self.stats.notifications_dropped:
+            self._log.warning("backlog full", "producer %s: notification backlog full, %d dropped so far",
+                              self.agent.name, self._inbox.num_dropped)
+            self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
         lapsed = self._early.prune()
         if lapsed:
             self.stats.early_lapsed += lapsed
             log.info("producer %s: %d early completions found no hold in time", self.agent.name, lapsed)
         self.stats.early_evicted = self._early.stats.evicted
+        self._log.flush()
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
@@ -388,7 +404,8 @@ class Producer:
             pending = self._pending.get(sender)
             if record is None and pending is None:
                 self.stats.unknown_agent += 1
-                log.warning("producer %s: notification from %s, which never handshaked", self.agent.name, sender)
+                self._log.warning("unknown agent", "producer %s: notification from %s, which never handshaked",
+                                  self.agent.name, sender)
                 return
             env, record = self._unseal(sender, env, record, pending)
             if env is None:
@@ -396,7 +413,8 @@ class Producer:
             body = wire.decode_body(env)
         except WireDecodeError as exc:
             self.stats.malformed += 1
-            log.info("producer %s: malformed notification from %s: %s", self.agent.name, sender, exc)
+            self._log.log(logging.INFO, "malformed", "producer %s: malformed notification from %s: %s",
+                          self.agent.name, sender, exc)
             return
         if not isinstance(body, _FROM_CONSUMERS) or (
                 isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
@@ -475,7 +493,8 @@ class Producer:
             return
         if body.nonce != hold.nonce:
             self.stats.bad_nonce += 1
-            log.warning("producer %s: wrong nonce for %r from %s", self.agent.name, body.request_id, sender)
+            self._log.warning("bad nonce", "producer %s: wrong nonce for %r from %s", self.agent.name,
+                              body.request_id, sender)
             return
         self._count_report(sender, hold, body)
 
@@ -538,11 +557,13 @@ class Producer:
             name = sender if sender in self._peers else self.agent.add_remote(body.agent_metadata)
         except EngineError as exc:
             self.stats.malformed += 1
-            log.warning("producer %s: Hello from %s with unusable metadata: %s", self.agent.name, sender, exc)
+            self._log.warning("bad hello", "producer %s: Hello from %s with unusable metadata: %s", self.agent.name,
+                              sender, exc)
             return
         if name != sender:
             self.stats.malformed += 1
-            log.warning("producer %s: Hello from %s carries the metadata of %s", self.agent.name, sender, name)
+            self._log.warning("bad hello", "producer %s: Hello from %s carries the metadata of %s", self.agent.name,
+                              sender, name)
             return
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
         if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s)), record):

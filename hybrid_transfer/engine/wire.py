@@ -19,6 +19,9 @@ Version log:
   4: geometry from a live engine (issue 12): RankDescriptor.conv_dtype, last and defaulted ("": the
      model dtype), so a peer rebuilds a rank whose engine keeps conv state in another dtype. Tickets
      are unchanged; their JSON form (engine/ticket_params.py) is not a wire message.
+  -: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
+     at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
+     (docs/limits.md).
   5: authentication (issue 14, engine/auth.py): HandshakeRequest.client_nonce / server_nonce / proof,
      last and defaulted (empty without a secret); AuthChallenge (a producer with a secret answers a
      first request with its server nonce and proof, and sends agent metadata only after the

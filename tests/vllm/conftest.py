@@ -33,13 +33,13 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def hosts():
-    """Two host processes for the whole session: one for prefill ranks, one for decode ranks."""
+    """Host processes for the whole session: prefill ranks, decode ranks, and a victim the kill test kills."""
     import multiprocessing as mp
 
     from rank_host import Host
 
     ctx = mp.get_context("spawn")
-    pair = {"prefill": Host(ctx, "prefill-host"), "decode": Host(ctx, "decode-host")}
+    pair = {name: Host(ctx, f"{name}-host") for name in ("prefill", "decode", "victim")}
     yield pair
     for host in pair.values():
-        host.close()
+        host.close()  # a killed victim is already gone

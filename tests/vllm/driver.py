@@ -43,6 +43,7 @@ class StepResult:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
 
 
 class Engine:
@@ -98,7 +99,7 @@ class Engine:
         merged = self.aggregator.aggregate(runner_outputs)
         engine_outputs = self.scheduler.update_from_output(out, merged)
         self.num_steps += 1
-        result = StepResult()
+        result = StepResult(scheduled=dict(out.num_scheduled_tokens))
         kv = merged.kv_connector_output
         if kv is not None:
             result.finished_sending = set(kv.finished_sending or ())
@@ -126,6 +127,10 @@ class Engine:
             sampled.append([TOKEN] if request.num_computed_tokens >= request.num_tokens else [])
         return ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                  sampled_token_ids=sampled, kv_connector_output=kv)
+
+    def abort(self, request_id: str) -> None:
+        """What the API server does when a client goes away."""
+        self.scheduler.finish_requests(request_id, RequestStatus.FINISHED_ABORTED)
 
     # ---- state ----------------------------------------------------------------------
     def status(self, request_id: str) -> RequestStatus | None:

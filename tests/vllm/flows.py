@@ -8,9 +8,11 @@ from vllm.v1.request import RequestStatus
 from hybrid_transfer.integrations.vllm import params as kvp
 
 
-def prefill(p: Engine, rid: str, num_tokens: int, *, others: tuple[Engine, ...] = ()) -> dict:
-    """Run a handed-off request on the prefill engine; return the params a proxy forwards to decode."""
-    p.add(rid, num_tokens, params={kvp.DO_REMOTE_DECODE: True})
+def prefill(p: Engine, rid: str, num_tokens: int, *, others: tuple[Engine, ...] = (), add: bool = True) -> dict:
+    """Run a handed-off request on the prefill engine (``add``: submit it first); return the params a
+    proxy forwards to decode."""
+    if add:
+        p.add(rid, num_tokens, params={kvp.DO_REMOTE_DECODE: True})
     finished: dict[str, object] = {}
 
     def record(engine: Engine, result: StepResult) -> None:

@@ -143,8 +143,9 @@ def op_shutdown(state: _State, key: str) -> None:
         rank.connector.shutdown()
 
 
-def op_call(state: _State, func, *args):
-    return func(state, *args)
+def op_call(state: _State, key: str, func, *args):
+    """Run a test's own function on a hosted rank (``func(state, key, *args)``)."""
+    return func(state, key, *args)
 
 
 _OPS = {name.removeprefix("op_"): fn for name, fn in globals().items() if name.startswith("op_")}
@@ -153,6 +154,8 @@ _OPS = {name.removeprefix("op_"): fn for name, fn in globals().items() if name.s
 def host_main(conn, env: dict[str, str]) -> None:
     os.environ.update(env)
     logging.basicConfig(level=os.environ.get("HT_TEST_LOG", "WARNING"))
+    import hybrid_transfer.integrations.vllm  # noqa: F401 - pay vLLM's import now, while the test sets up
+
     state = _State()
     try:
         while True:

@@ -13,9 +13,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.worker.utils import allocate_kv_cache
 from vllm_engine import cpu, kernel_block_sizes, make_kv_cache_config, make_scheduler, make_vllm_config
 
+from hybrid_transfer.engine.tickets import decode_rank_card
 from hybrid_transfer.errors import UnsupportedError
 from hybrid_transfer.integrations.vllm import HybridNixlConnector
-from hybrid_transfer.engine.tickets import decode_rank_card
 from hybrid_transfer.integrations.vllm.metadata import HandshakeCard
 
 RANK = "hybrid_transfer.integrations.vllm.connector.tensor_parallel_rank"

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from hybrid_transfer.engine.ticket_params import ticket_from_params, ticket_to_params
 from hybrid_transfer.engine.wire import Ticket
 from hybrid_transfer.errors import TicketError
-from hybrid_transfer.engine.ticket_params import ticket_from_params, ticket_to_params
 
 DO_REMOTE_DECODE = "do_remote_decode"  # to prefill: hand this request off (cut to N-1, one token)
 DO_REMOTE_PREFILL = "do_remote_prefill"  # to decode: the prompt's cache is read from the ticket's engine

@@ -19,9 +19,9 @@ from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.producer import Producer
 from hybrid_transfer.engine.state import ReadState
+from hybrid_transfer.engine.tickets import encode_rank_card
 from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.integrations.vllm.geometry import EngineCache
-from hybrid_transfer.engine.tickets import encode_rank_card
 from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata, ReadOrder
 
 log = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hybrid_transfer.engine.diagnostics import CheckResult, Device, DoctorOptions, Status
-from hybrid_transfer.engine.diagnostics_loopback import READER_NAME, LoopbackResult, Memory, run_loopback
-from hybrid_transfer.engine.diagnostics_ucx import ProtoTable, parse_proto_tables, read_tables
+from hybrid_transfer.doctor.loopback import READER_NAME, LoopbackResult, Memory, run_loopback
+from hybrid_transfer.doctor.types import CheckResult, Device, DoctorOptions, Status
+from hybrid_transfer.doctor.ucx_tables import ProtoTable, parse_proto_tables, read_tables
 
 __all__ = ["Memory", "check_cuda_ipc", "check_loopback", "check_transports", "observed_transports", "run_transfer"]
 
