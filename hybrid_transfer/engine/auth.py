@@ -107,6 +107,31 @@ def link_key(secret: bytes, cn: bytes, sn: bytes, producer_agent: str, consumer_
     return _mac(secret, b"link", cn, sn, producer_agent, consumer_agent)
 
 
+def curve_seed(secret: bytes) -> bytes:
+    """32 bytes for the side channel's CURVE server key pair (side_channel.Curve), derived from the secret."""
+    return _mac(secret, b"curve server key")
+
+
+def side_channel_curve(enabled: bool, secret: bytes | None):
+    """The side channel's CURVE settings (side_channel.Curve) when ``enabled``, else None.
+
+    Raises:
+        ConfigError: CURVE asked for without a secret, or this ZeroMQ has no CURVE support.
+    """
+    if not enabled:
+        return None
+    from hybrid_transfer.engine.side_channel import Curve
+
+    if secret is None:
+        raise ConfigError(f"EngineConfig.side_channel_curve=True needs the shared secret (${SECRET_ENV} or "
+                          "EngineConfig.secret_file): the server key is derived from it", field="side_channel_curve",
+                          value=True)
+    if not Curve.available():
+        raise ConfigError("EngineConfig.side_channel_curve=True, but this ZeroMQ was built without CURVE",
+                          field="side_channel_curve", value=True)
+    return Curve.from_seed(curve_seed(secret))
+
+
 def same(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 

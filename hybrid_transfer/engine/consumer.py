@@ -143,10 +143,11 @@ class Consumer:
             self._digest = self.fingerprint.digest()
             self._secret = auth.load_secret(self.config.secret_file)
             auth.warn_if_open(self._secret, f"consumer {self.agent.name}")
+            curve = auth.side_channel_curve(self.config.side_channel_curve, self._secret)
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
-                                clock, self.config.handshake_timeout_s, self._secret)
+                                clock, self.config.handshake_timeout_s, self._secret, curve=curve)
             # Pack mode (staging reads, engine/pack_reader.py) and every request's timings.
-            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
+            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock, curve=curve)
         except BaseException:
             self.close()
             raise

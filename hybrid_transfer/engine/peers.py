@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from hybrid_transfer.engine import auth, handshake, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.peer_record import PeerRecord
-from hybrid_transfer.engine.side_channel import HandshakeClient
+from hybrid_transfer.engine.side_channel import Curve, HandshakeClient
 from hybrid_transfer.errors import EngineError, HandshakeError, HandshakeTimeout, HybridTransferError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.layout.model import ModelSpec
@@ -62,7 +62,8 @@ class Peers:
     """Links of one consumer rank; used only by the consumer's owner thread."""
 
     def __init__(self, agent: NixlAgent, model: ModelSpec, local: RankDescriptor, fingerprint: Fingerprint,
-                 engine_id: str, clock: Callable[[], float], timeout_s: float, secret: bytes | None = None):
+                 engine_id: str, clock: Callable[[], float], timeout_s: float, secret: bytes | None = None, *,
+                 curve: Curve | None = None):
         self._agent = agent
         self._model = model
         self._local = local
@@ -75,7 +76,7 @@ class Peers:
         self.records: dict[str, PeerRecord] = {}  # producer agent name -> what we know of it (one record each)
         self._clock = clock
         self._timeout_s = timeout_s
-        self._client = HandshakeClient()
+        self._client = HandshakeClient(curve)
         self._links: dict[tuple[str, int], EngineLink] = {}
         self._pending: dict[str, EngineLink] = {}  # address awaiting a reply -> its link
 

@@ -142,7 +142,9 @@ class Producer:
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
                                            self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}",
-                                           advertise_host=self.config.advertise_host)
+                                           advertise_host=self.config.advertise_host,
+                                           curve=auth.side_channel_curve(self.config.side_channel_curve,
+                                                                         self._secret))
             self.address = self._server.address
             self._set_card(() if self.tp_size > 1 else (self.address,))
             self._server.start()

@@ -217,8 +217,9 @@ def _wait(worker, key, producer: bool, **expected) -> dict:
 
 
 def test_forged_replayed_and_rank_spoofing_notifications_are_dropped_and_counted(cluster, secret_file):
-    """1 -> 2 fan-out with a secret: the producer frees only after both real ranks read (row 3)."""
-    config = EngineConfig(secret_file=secret_file)
+    """1 -> 2 fan-out with a secret (and the side channel under CURVE): the producer frees only after both
+    real ranks read (row 3)."""
+    config = EngineConfig(secret_file=secret_file, side_channel_curve=True)
     p_worker, c_workers = cluster.workers[0], cluster.workers[1:3]
     producers = start_producers([p_worker], [RankSpec(TINY, 1, 0, 16)], config)
     consumers = start_consumers(c_workers, [RankSpec(TINY, 2, r, 16) for r in range(2)], config)
@@ -322,3 +323,52 @@ def test_a_fuzzed_sealed_message_fails_the_link_check_and_nothing_else(counter, 
     sealed = wire.decode(data, wire.Kind.SEALED)[1]
     with pytest.raises(auth.Rejected):
         link.check(sealed.counter, sealed.mac, sealed.message)
+
+
+# ---- optional CURVE encryption of the side channel -----------------------------------------------------
+
+
+def test_curve_needs_a_secret(monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    with pytest.raises(ConfigError, match="side_channel_curve"):
+        Producer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(side_channel_curve=True))
+
+
+def test_with_curve_only_peers_that_know_the_secret_are_answered(secret_file, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    curve = EngineConfig(secret_file=secret_file, side_channel_curve=True)
+    with Producer(HybridCache.allocate(GEOMETRY, 8), curve) as producer:
+        # A plain ZeroMQ peer gets no answer at all (the CURVE handshake never completes).
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(producer.address)
+            sock.send(_request())
+            assert not sock.poll(1000)
+        finally:
+            ctx.destroy(linger=0)
+        # A consumer with the secret but without CURVE cannot handshake either.
+        with Consumer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file)) as plain:
+            with pytest.raises(HandshakeError):
+                plain.connect(producer.address, timeout_s=1.0)
+        with Consumer(HybridCache.allocate(GEOMETRY, 8), curve) as consumer:
+            consumer.connect(producer.address, timeout_s=WAIT_S)
+        assert producer.listener_stats.accepted == 1
+
+
+def test_pack_mode_staging_queries_travel_under_curve(cluster, secret_file):
+    """The consumer's staging queries use the encrypted side channel too: every source is read packed."""
+    from pack_ops import run_pack
+    from test_transfer import TOPOLOGIES
+
+    from hybrid_transfer.plan.types import PlanMode
+
+    p, d, p_opts, c_opts = TOPOLOGIES["1->2"]
+    config = EngineConfig(mode=PlanMode.PACK, staging_bytes=1 << 20, secret_file=secret_file, side_channel_curve=True)
+    tokens = (37, 64, 1, 0, 100)
+    results, _, c_status, _ = run_pack(cluster, p, d, p_opts, c_opts, config, token_counts=tokens)
+    for per_rank in results:
+        assert [(r.num_packed_sources, r.num_fallback_sources) for r in per_rank] == [
+            (1 if n else 0, 0) for n in tokens]
+    assert all(s["stats"]["fallback_absent"] == 0 for s in c_status), c_status
