@@ -419,6 +419,7 @@ def test_producer_fences_refuse_early_holds_and_delay_releases(pair):
     consumer.start_read(producer.hold("r", *LAYOUT), LOCAL)
     producer.mark_blocks_written([2], step=7)  # a step queued later still writes block 2
     consumer.agent.outcome = XferState.DONE
+    assert producer.poll() == []  # confirms the consumer's claim (engine/claims.py)
     assert consumer.poll()[0].ok
     assert producer.poll() == [] and producer.num_held_blocks == 5 and producer.terminal_counts == {"freed": 1}
     producer.finish_step(7)
