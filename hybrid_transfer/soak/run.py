@@ -101,6 +101,7 @@ class SoakReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     bytes_verified: int
     byte_mismatches: int  # consumer metrics: READs whose bytes disagreed with the layout (must be 0)
     attacks: dict[str, dict[str, int]]  # replay / edit reads by outcome; any DONE is wrong
+    attacks_done: list[str]  # keys of replayed or edited reads that ended DONE (must be empty)
     forged_sent: int
     rejected_messages: dict[str, int]  # producer, by cause (final incarnation)
     rejected_peers: int  # producer handshakes refused (final incarnation)
@@ -206,6 +207,7 @@ class Soak:
         self.producer_outcome: dict[str, m.Outcome | str] = {}
         self.attack_outcomes: dict[str, Counter] = {"replay": Counter(), "edit": Counter()}
         self.wrong_bytes = 0
+        self.attacks_done: list[str] = []
         self.bytes_verified = 0
         self.reported_twice = 0
         self.forged_sent = 0
@@ -286,7 +288,8 @@ class Soak:
             p_abort = rng.choice(ABORT_MOMENTS) if fate < s.abort_rate else None
             c_abort = rng.choice(ABORT_MOMENTS) if s.abort_rate <= fate < 2 * s.abort_rate else None
             stall = 2 * s.abort_rate <= fate < 2 * s.abort_rate + s.stall_rate
-            edit = 2 * s.abort_rate + s.stall_rate <= fate < 2 * s.abort_rate + s.stall_rate + s.edit_rate
+            # Edited and replayed tickets have tokens: a ticket of none is DONE without a READ or a claim.
+            edit = tokens > 0 and 2 * s.abort_rate + s.stall_rate <= fate < 2 * s.abort_rate + s.stall_rate + s.edit_rate
             remote = _layout(self.p_pool, rng, tokens, bs, 0)
             local = _layout(self.c_pool, rng, tokens, bs, rng.choice((0, 0, 1)))
             seed = rng.randrange(1 << 40)
@@ -297,45 +300,54 @@ class Soak:
                            self.producer.call(m.Hold(tuple(holds)), m.Tickets).tickets, strict=True))
         items = [m.ReadItem(rid, tickets[rid], local, tokens, seed, c_abort, edit)
                  for rid, local, tokens, seed, c_abort, edit in reads]
-        replays = {}
-        for _ in range(sum(rng.random() < s.replay_rate for _ in range(n)) if self.replayable else 0):
-            rid, ticket = self.replayable.pop(rng.randrange(len(self.replayable)))
-            key = f"replay:{rid}"
-            local = _layout(self.c_pool, rng, s.max_tokens, bs, 0)
-            replays[key] = local
-            items.append(m.ReadItem(key, ticket, local, _ticket_tokens(ticket), 0, None))
         self.consumer.send(m.Read(tuple(items)))
         self.consumer.recv(m.Done)
         edits = {it.key for it in items if it.edit}
         if kill == "producer":
             time.sleep(rng.uniform(0.0, 0.05))
-            self._kill_producer(holds, items, late, layouts, replays, edits)
+            self._kill_producer(holds, items, late, layouts, edits)
             return
         if kill == "consumer":
             time.sleep(rng.uniform(0.0, 0.05))
-            self._kill_consumer(holds, items, late, layouts, replays)
+            self._kill_consumer(holds, items, late, layouts)
             return
         if self.spec.forge_every and b % self.spec.forge_every == self.spec.forge_every - 1:
             self._forge([(rid, _ticket_nonce(tickets[rid])) for rid, *_ in reads[:8]])
         wait_c = s.read_deadline_s + 3 * s.lease_s + 30.0
-        self._take_consumer([it.key for it in items], wait_c, layouts, replays, edits)
+        self._take_consumer([it.key for it in items], wait_c, layouts, {}, edits)
+        num_replays = sum(rng.random() < s.replay_rate for _ in range(n))
+        self._replay_fresh(reads, edits, tickets, layouts, num_replays, wait_c)
         self._take_producer([h.request_id for h in holds], wait_c + 3 * s.lease_s, layouts)
-        # Stalled tickets: the lease of each has expired and it was released; only now the consumer gets it.
+        # Stalled tickets (the lease of each expired and it was released) reach the consumer only now, with
+        # replays of tickets read DONE in earlier batches, freed since and their blocks re-held.
         late_items = [m.ReadItem(rid, tickets[rid], local, tokens, seed, None) for rid, local, tokens, seed, _, _ in late]
-        fresh = {}  # tickets of this batch read DONE and just freed, replayed while the producer remembers them
-        done_here = [rid for rid, *_ in reads if rid not in edits and _done(self.consumer_outcome.get(rid))]
-        for rid in rng.sample(done_here, min(len(done_here), len(replays))):
-            fresh[f"replay:{rid}:fresh"] = _layout(self.c_pool, rng, s.max_tokens, bs, 0)
-            late_items.append(m.ReadItem(f"replay:{rid}:fresh", tickets[rid], fresh[f"replay:{rid}:fresh"],
-                                         layouts[rid][2], 0, None))
+        replays = {}
+        for _ in range(min(num_replays, len(self.replayable))):
+            rid, ticket = self.replayable.pop(rng.randrange(len(self.replayable)))
+            key = f"replay:{rid}"
+            replays[key] = _layout(self.c_pool, rng, s.max_tokens, bs, 0)
+            late_items.append(m.ReadItem(key, ticket, replays[key], _ticket_tokens(ticket), 0, None))
         if late_items:
             self.consumer.call(m.Read(tuple(late_items)), m.Done)
-            self._take_consumer([it.key for it in late_items], wait_c, layouts, fresh, set())
-        for rid, *_ in reads:
-            o = self.consumer_outcome.get(rid)
-            if rid not in edits and isinstance(o, m.Outcome) and o.state == "done" and o.verified:
+            self._take_consumer([it.key for it in late_items], wait_c, layouts, replays, set())
+        for rid, _, tokens, *_ in reads:
+            if rid not in edits and tokens > 0 and _done(self.consumer_outcome.get(rid)):
                 self.replayable.append((rid, tickets[rid]))
         del self.replayable[:-2000]
+
+    def _replay_fresh(self, reads, edits, tickets, layouts, count: int, wait_c: float) -> None:
+        """Replay tickets of this batch read DONE a moment ago, while their producer still remembers them."""
+        s, rng = self.spec, self.rng
+        done_here = [rid for rid, _, tokens, *_ in reads
+                     if rid not in edits and tokens > 0 and _done(self.consumer_outcome.get(rid))]
+        fresh, items = {}, []
+        for rid in rng.sample(done_here, min(len(done_here), count)):
+            key = f"replay:{rid}:fresh"
+            fresh[key] = _layout(self.c_pool, rng, s.max_tokens, self.geometry.block_size, 0)
+            items.append(m.ReadItem(key, tickets[rid], fresh[key], layouts[rid][2], 0, None))
+        if items:
+            self.consumer.call(m.Read(tuple(items)), m.Done)
+            self._take_consumer([it.key for it in items], wait_c, layouts, fresh, set())
 
     def _take_consumer(self, keys, timeout_s, layouts, replays, edits) -> None:
         got = self.consumer.call(m.Wait(tuple(keys), timeout_s), m.Outcomes, timeout_s + 60).outcomes
@@ -348,19 +360,24 @@ class Soak:
         if key in replays:
             self.c_pool.give(replays[key])
             self.attack_outcomes["replay"][_label(o)] += 1
-            self.wrong_bytes += o.state == "done"
+            self._attack_ended(key, o)
             return
         remote, local, tokens = layouts[key]
         self.c_pool.give(local)
         if key in edits:
             self.attack_outcomes["edit"][_label(o)] += 1
-            self.wrong_bytes += o.state == "done"
+            self._attack_ended(key, o)
         elif o.state == "done":
             if o.verified:
                 self.bytes_verified += expected_bytes(self.geometry, tokens)
             else:
                 self.wrong_bytes += 1
         self._once(self.consumer_outcome, key, o)
+
+    def _attack_ended(self, key: str, o: m.Outcome) -> None:
+        if o.state == "done":  # a replayed or edited ticket must never be DONE
+            self.wrong_bytes += 1
+            self.attacks_done.append(key)
 
     def _take_producer(self, rids, timeout_s, layouts) -> None:
         got = self.producer.call(m.Wait(tuple(rids), timeout_s), m.Outcomes, timeout_s + 60).outcomes
@@ -383,7 +400,7 @@ class Soak:
         self.forged_sent += forged.sent
         self.stranger[forged.stranger_error or "ACCEPTED"] += 1
 
-    def _kill_producer(self, holds, items, late, layouts, replays, edits) -> None:
+    def _kill_producer(self, holds, items, late, layouts, edits) -> None:
         """SIGKILL the producer while reads are in flight; the consumer must fail (or finish) each, then relink."""
         s = self.spec
         self.producer.kill9()
@@ -393,19 +410,17 @@ class Soak:
         for rid, *_ in late:  # never handed over: the embedder drops them with the producer
             self._once(self.consumer_outcome, rid, "lost")
             self.c_pool.give(layouts[rid][1])
-        self._take_consumer([it.key for it in items], s.read_deadline_s + 3 * s.lease_s + 30.0, layouts, replays,
-                            edits)
+        self._take_consumer([it.key for it in items], s.read_deadline_s + 3 * s.lease_s + 30.0, layouts, {}, edits)
         self._start_producer()
         self._connect()
 
-    def _kill_consumer(self, holds, items, late, layouts, replays) -> None:
+    def _kill_consumer(self, holds, items, late, layouts) -> None:
         """SIGKILL the consumer with reads in flight; the producer must free every hold (reclaim or lease)."""
         s = self.spec
         self.consumer.kill9()
         self.kills.append(f"consumer (pid {self.c_ready.pid}) with {len(items)} reads just posted")
         for it in items:
-            if it.key not in replays:
-                self._once(self.consumer_outcome, it.key, "lost")
+            self._once(self.consumer_outcome, it.key, "lost")
         for rid, *_ in late:
             self._once(self.consumer_outcome, rid, "lost")
         self._take_producer([h.request_id for h in holds], s.read_deadline_s + 6 * s.lease_s + 30.0, layouts)
@@ -446,6 +461,7 @@ class Soak:
             reported_twice=self.reported_twice, wrong_bytes=self.wrong_bytes, bytes_verified=self.bytes_verified,
             byte_mismatches=cm.byte_mismatches,
             attacks={k: dict(sorted(v.items())) for k, v in self.attack_outcomes.items()},
+            attacks_done=self.attacks_done[:20],
             forged_sent=self.forged_sent, rejected_messages=dict(sorted(pm.rejected_messages.items())),
             rejected_peers=pm.rejected_peers, malformed=pm.malformed, stranger_refusals=dict(self.stranger), kills=self.kills,
             blocks_pinned=p_final.pinned_blocks, quarantined=c_final.quarantined_blocks,
@@ -494,7 +510,7 @@ def render(report: SoakReport) -> str:
         f"  leases expired / reclaims:        {r.leases_expired} / {r.reclaims} (last producer incarnation)",
         f"  bytes verified:                   {r.bytes_verified}",
         f"  wrong bytes (requests):           {r.wrong_bytes}; byte-count mismatches {r.byte_mismatches}",
-        f"  attacks (replayed / edited):      {r.attacks}",
+        f"  attacks (replayed / edited):      {r.attacks}" + (f"; DONE: {r.attacks_done}" if r.attacks_done else ""),
         f"  forged notifications sent:        {r.forged_sent}; producer rejected {r.rejected_messages}, "
         f"malformed {r.malformed}",
         f"  stranger handshakes:              {r.stranger_refusals}; producer rejected peers {r.rejected_peers}",
