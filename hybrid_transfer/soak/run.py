@@ -49,7 +49,7 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     batch: int = 200
     model: str = "tiny"
     max_tokens: int = 64
-    num_blocks: int = 4096
+    num_blocks: int = 8192
     abort_rate: float = 0.10  # per side
     stall_rate: float = 0.03  # tickets that reach the consumer after their lease expired
     replay_rate: float = 0.02  # extra reads of old tickets
@@ -57,9 +57,9 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     forge_every: int = 5  # batches between rounds of forged notifications (and a stranger's handshake)
     kills: bool = True  # SIGKILL and restart the producer and the consumer once each
     auth: bool = True
-    lease_s: float = 2.0
-    heartbeat_s: float = 0.2
-    read_deadline_s: float = 5.0
+    lease_s: float = 10.0  # long enough for a batch to be held and read on a busy host; stalls wait it out
+    heartbeat_s: float = 0.5
+    read_deadline_s: float = 10.0
     seed: int = 20261130
     log_level: str = "WARNING"
 
@@ -79,8 +79,8 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
             bad("heartbeat_s", "must be positive and shorter than the lease")
         geometry = geometry_of(self.model)
         need = math.ceil(self.max_tokens / geometry.block_size) + 3 + 1
-        if self.num_blocks < 2 * need * self.batch:
-            bad("num_blocks", f"must be at least {2 * need * self.batch} for batches of {self.batch} "
+        if self.num_blocks < 3 * need * self.batch:  # a batch, and what earlier ones carry over (stalls, replays)
+            bad("num_blocks", f"must be at least {3 * need * self.batch} for batches of {self.batch} "
                 f"with up to {self.max_tokens} tokens")
         return self
 
@@ -213,7 +213,13 @@ class Soak:
         self.forged_sent = 0
         self.stranger: Counter = Counter()
         self.kills: list[str] = []
-        self.replayable: list[tuple[str, bytes]] = []  # tickets read DONE and released: replay material
+        self.replayable: list[str] = []  # requests read DONE and released: their tickets are replay material
+        self.layouts: dict[str, tuple] = {}  # request id -> (remote block ids, local block ids, tokens, seed)
+        self.tickets: dict[str, bytes] = {}
+        self.edit_keys: set[str] = set()
+        self.replay_blocks: dict[str, tuple] = {}  # replay key -> its local block ids
+        self.stalled: list[str] = []  # held, never read: waiting for the producer to release them (lease)
+        self.pending_c: set[str] = set()  # reads carried over to later batches (late reads, replays)
         self.ended_totals: Counter = Counter()
         self.producer: _Proc | None = None
         self.consumer: _Proc | None = None
@@ -266,6 +272,7 @@ class Soak:
                 if b % 10 == 0 or kill:
                     done = sum(1 for o in self.consumer_outcome.values() if _done(o))
                     self.progress(f"batch {b + 1}/{batches}: {done} done so far")
+            self._drain()
             p_final = self.producer.call(m.Final(1.0), m.FinalState, 120.0)
             c_final = self.consumer.call(m.Final(1.0), m.FinalState, 120.0)
             return self._report(p_final, c_final, time.monotonic() - started)
@@ -280,7 +287,9 @@ class Soak:
 
     def _batch(self, b: int, n: int, kill: str | None) -> None:
         s, rng, bs = self.spec, self.rng, self.geometry.block_size
-        holds, reads, late, layouts = [], [], [], {}
+        if kill:
+            self._drain()  # nothing carried over into a kill: what it loses is this batch's
+        holds, reads, stalled = [], [], []
         for i in range(n):
             rid = f"b{b}-r{i}-{uuid.uuid4().hex[:4]}"
             tokens = rng.randint(0, s.max_tokens)
@@ -293,78 +302,107 @@ class Soak:
             remote = _layout(self.p_pool, rng, tokens, bs, 0)
             local = _layout(self.c_pool, rng, tokens, bs, rng.choice((0, 0, 1)))
             seed = rng.randrange(1 << 40)
-            layouts[rid] = (remote, local, tokens)
+            self.layouts[rid] = (remote, local, tokens, seed)
             holds.append(m.HoldItem(rid, remote, tokens, seed, p_abort))
-            (late if stall else reads).append((rid, local, tokens, seed, c_abort, edit))
-        tickets = dict(zip([h.request_id for h in holds],
-                           self.producer.call(m.Hold(tuple(holds)), m.Tickets).tickets, strict=True))
-        items = [m.ReadItem(rid, tickets[rid], local, tokens, seed, c_abort, edit)
-                 for rid, local, tokens, seed, c_abort, edit in reads]
-        self.consumer.send(m.Read(tuple(items)))
-        self.consumer.recv(m.Done)
-        edits = {it.key for it in items if it.edit}
+            if stall:
+                stalled.append(rid)
+            else:
+                reads.append((rid, c_abort, edit))
+                if edit:
+                    self.edit_keys.add(rid)
+        tickets = self.producer.call(m.Hold(tuple(holds)), m.Tickets).tickets
+        self.tickets.update(zip([h.request_id for h in holds], tickets, strict=True))
+        items = [self._read_item(rid, c_abort, edit) for rid, c_abort, edit in reads]
+        self.consumer.call(m.Read(tuple(items)), m.Done)
         if kill == "producer":
             time.sleep(rng.uniform(0.0, 0.05))
-            self._kill_producer(holds, items, late, layouts, edits)
+            self._kill_producer(holds, items, stalled)
             return
         if kill == "consumer":
             time.sleep(rng.uniform(0.0, 0.05))
-            self._kill_consumer(holds, items, late, layouts)
+            self._kill_consumer(holds, items, stalled)
             return
-        if self.spec.forge_every and b % self.spec.forge_every == self.spec.forge_every - 1:
-            self._forge([(rid, _ticket_nonce(tickets[rid])) for rid, *_ in reads[:8]])
-        wait_c = s.read_deadline_s + 3 * s.lease_s + 30.0
-        self._take_consumer([it.key for it in items], wait_c, layouts, {}, edits)
+        if s.forge_every and b % s.forge_every == s.forge_every - 1:
+            self._forge([(rid, _ticket_nonce(self.tickets[rid])) for rid, *_ in reads[:8]])
+        self._take_consumer([it.key for it in items], self._wait_s)
         num_replays = sum(rng.random() < s.replay_rate for _ in range(n))
-        self._replay_fresh(reads, edits, tickets, layouts, num_replays, wait_c)
-        self._take_producer([h.request_id for h in holds], wait_c + 3 * s.lease_s, layouts)
-        # Stalled tickets (the lease of each expired and it was released) reach the consumer only now, with
-        # replays of tickets read DONE in earlier batches, freed since and their blocks re-held.
-        late_items = [m.ReadItem(rid, tickets[rid], local, tokens, seed, None) for rid, local, tokens, seed, _, _ in late]
-        replays = {}
+        self._replay_fresh([rid for rid, _, edit in reads if not edit], num_replays)
+        self._take_producer([h.request_id for h in holds if h.request_id not in stalled], self._wait_s)
+        self.stalled.extend(stalled)
+        # Carried over, collected by later batches without waiting: stalled tickets reach the consumer once
+        # their lease expired and the producer freed them; tickets read DONE in earlier batches, freed since
+        # and their blocks re-held, are replayed.
+        self._late_reads(0.0)
+        replays = []
         for _ in range(min(num_replays, len(self.replayable))):
-            rid, ticket = self.replayable.pop(rng.randrange(len(self.replayable)))
+            rid = self.replayable.pop(rng.randrange(len(self.replayable)))
             key = f"replay:{rid}"
-            replays[key] = _layout(self.c_pool, rng, s.max_tokens, bs, 0)
-            late_items.append(m.ReadItem(key, ticket, replays[key], _ticket_tokens(ticket), 0, None))
-        if late_items:
-            self.consumer.call(m.Read(tuple(late_items)), m.Done)
-            self._take_consumer([it.key for it in late_items], wait_c, layouts, replays, set())
-        for rid, _, tokens, *_ in reads:
-            if rid not in edits and tokens > 0 and _done(self.consumer_outcome.get(rid)):
-                self.replayable.append((rid, tickets[rid]))
+            self.replay_blocks[key] = _layout(self.c_pool, rng, s.max_tokens, bs, 0)
+            replays.append(m.ReadItem(key, self.tickets[rid], self.replay_blocks[key], self.layouts[rid][2], 0, None))
+        if replays:
+            self.consumer.call(m.Read(tuple(replays)), m.Done)
+            self.pending_c.update(it.key for it in replays)
+        self._take_consumer(sorted(self.pending_c), 0.0)
+        for rid, _, edit in reads:
+            if not edit and self.layouts[rid][2] > 0 and _done(self.consumer_outcome.get(rid)):
+                self.replayable.append(rid)
         del self.replayable[:-2000]
 
-    def _replay_fresh(self, reads, edits, tickets, layouts, count: int, wait_c: float) -> None:
+    @property
+    def _wait_s(self) -> float:
+        return self.spec.read_deadline_s + 3 * self.spec.lease_s + 30.0
+
+    def _read_item(self, rid: str, c_abort: int | None = None, edit: bool = False) -> m.ReadItem:
+        _, local, tokens, seed = self.layouts[rid]
+        return m.ReadItem(rid, self.tickets[rid], local, tokens, seed, c_abort, edit)
+
+    def _late_reads(self, timeout_s: float) -> None:
+        """Stalled requests the producer released (lease expired): only now the consumer gets their tickets."""
+        if not self.stalled:
+            return
+        released = self._take_producer(self.stalled, timeout_s)
+        self.stalled = [rid for rid in self.stalled if rid not in released]
+        if released:
+            self.consumer.call(m.Read(tuple(self._read_item(rid) for rid in released)), m.Done)
+            self.pending_c.update(released)
+
+    def _drain(self) -> None:
+        """Wait for everything carried over: stalled holds to expire, their late reads and the replays to end."""
+        self._late_reads(self._wait_s + 3 * self.spec.lease_s)
+        self._take_consumer(sorted(self.pending_c), self._wait_s)
+
+    def _replay_fresh(self, rids, count: int) -> None:
         """Replay tickets of this batch read DONE a moment ago, while their producer still remembers them."""
         s, rng = self.spec, self.rng
-        done_here = [rid for rid, _, tokens, *_ in reads
-                     if rid not in edits and tokens > 0 and _done(self.consumer_outcome.get(rid))]
-        fresh, items = {}, []
+        done_here = [rid for rid in rids if self.layouts[rid][2] > 0 and _done(self.consumer_outcome.get(rid))]
+        items = []
         for rid in rng.sample(done_here, min(len(done_here), count)):
             key = f"replay:{rid}:fresh"
-            fresh[key] = _layout(self.c_pool, rng, s.max_tokens, self.geometry.block_size, 0)
-            items.append(m.ReadItem(key, tickets[rid], fresh[key], layouts[rid][2], 0, None))
+            self.replay_blocks[key] = _layout(self.c_pool, rng, s.max_tokens, self.geometry.block_size, 0)
+            items.append(m.ReadItem(key, self.tickets[rid], self.replay_blocks[key], self.layouts[rid][2], 0, None))
         if items:
             self.consumer.call(m.Read(tuple(items)), m.Done)
-            self._take_consumer([it.key for it in items], wait_c, layouts, fresh, set())
+            self._take_consumer([it.key for it in items], self._wait_s)
 
-    def _take_consumer(self, keys, timeout_s, layouts, replays, edits) -> None:
-        got = self.consumer.call(m.Wait(tuple(keys), timeout_s), m.Outcomes, timeout_s + 60).outcomes
+    def _take_consumer(self, keys, timeout_s) -> None:
+        if not keys:
+            return
+        got = self.consumer.call(m.Wait(tuple(keys), timeout_s), m.Outcomes, timeout_s + 120).outcomes
         for key, o in got.items():
-            self._consumer_ended(key, o, layouts, replays, edits)
+            self.pending_c.discard(key)
+            self._consumer_ended(key, o)
 
-    def _consumer_ended(self, key, o: m.Outcome, layouts, replays, edits) -> None:
+    def _consumer_ended(self, key, o: m.Outcome) -> None:
         if o.times != 1:
             self.reported_twice += 1
-        if key in replays:
-            self.c_pool.give(replays[key])
+        if key in self.replay_blocks:
+            self.c_pool.give(self.replay_blocks.pop(key))
             self.attack_outcomes["replay"][_label(o)] += 1
             self._attack_ended(key, o)
             return
-        remote, local, tokens = layouts[key]
+        _, local, tokens, _ = self.layouts[key]
         self.c_pool.give(local)
-        if key in edits:
+        if key in self.edit_keys:
             self.attack_outcomes["edit"][_label(o)] += 1
             self._attack_ended(key, o)
         elif o.state == "done":
@@ -379,13 +417,14 @@ class Soak:
             self.wrong_bytes += 1
             self.attacks_done.append(key)
 
-    def _take_producer(self, rids, timeout_s, layouts) -> None:
-        got = self.producer.call(m.Wait(tuple(rids), timeout_s), m.Outcomes, timeout_s + 60).outcomes
+    def _take_producer(self, rids, timeout_s) -> list[str]:
+        got = self.producer.call(m.Wait(tuple(rids), timeout_s), m.Outcomes, timeout_s + 120).outcomes
         for rid, o in got.items():
             if o.times != 1:
                 self.reported_twice += 1
-            self.p_pool.give(layouts[rid][0])
+            self.p_pool.give(self.layouts[rid][0])
             self._once(self.producer_outcome, rid, o)
+        return [rid for rid in rids if rid in got]
 
     def _once(self, table, key, value) -> None:
         if key in table:
@@ -400,30 +439,26 @@ class Soak:
         self.forged_sent += forged.sent
         self.stranger[forged.stranger_error or "ACCEPTED"] += 1
 
-    def _kill_producer(self, holds, items, late, layouts, edits) -> None:
+    def _kill_producer(self, holds, items, stalled) -> None:
         """SIGKILL the producer while reads are in flight; the consumer must fail (or finish) each, then relink."""
-        s = self.spec
         self.producer.kill9()
         self.kills.append(f"producer (pid {self.p_ready.pid}) with {len(items)} reads just posted")
         for h in holds:
             self._once(self.producer_outcome, h.request_id, "lost")
-        for rid, *_ in late:  # never handed over: the embedder drops them with the producer
+        for rid in stalled:  # never handed over: the embedder drops them with the producer
             self._once(self.consumer_outcome, rid, "lost")
-            self.c_pool.give(layouts[rid][1])
-        self._take_consumer([it.key for it in items], s.read_deadline_s + 3 * s.lease_s + 30.0, layouts, {}, edits)
+            self.c_pool.give(self.layouts[rid][1])
+        self._take_consumer([it.key for it in items], self._wait_s)
         self._start_producer()
         self._connect()
 
-    def _kill_consumer(self, holds, items, late, layouts) -> None:
+    def _kill_consumer(self, holds, items, stalled) -> None:
         """SIGKILL the consumer with reads in flight; the producer must free every hold (reclaim or lease)."""
-        s = self.spec
         self.consumer.kill9()
         self.kills.append(f"consumer (pid {self.c_ready.pid}) with {len(items)} reads just posted")
-        for it in items:
-            self._once(self.consumer_outcome, it.key, "lost")
-        for rid, *_ in late:
-            self._once(self.consumer_outcome, rid, "lost")
-        self._take_producer([h.request_id for h in holds], s.read_deadline_s + 6 * s.lease_s + 30.0, layouts)
+        for key in [it.key for it in items] + stalled:
+            self._once(self.consumer_outcome, key, "lost")
+        self._take_producer([h.request_id for h in holds], self._wait_s + 3 * self.spec.lease_s)
         self._start_consumer()
         self._connect()
 
@@ -488,12 +523,6 @@ def _ticket_nonce(ticket: bytes) -> int:
     from hybrid_transfer.engine import decode_ticket
 
     return decode_ticket(ticket).nonce
-
-
-def _ticket_tokens(ticket: bytes) -> int:
-    from hybrid_transfer.engine import decode_ticket
-
-    return decode_ticket(ticket).num_tokens
 
 
 def render(report: SoakReport) -> str:

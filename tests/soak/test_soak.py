@@ -13,7 +13,7 @@ from hybrid_transfer.soak.worker import TINY_MODEL
 
 
 def test_short_soak_leaks_nothing_and_moves_no_wrong_byte():
-    spec = SoakSpec(requests=300, batch=50, num_blocks=1024, lease_s=1.0, heartbeat_s=0.1, read_deadline_s=2.5,
+    spec = SoakSpec(requests=300, batch=50, num_blocks=1200, lease_s=3.0, heartbeat_s=0.2, read_deadline_s=4.0,
                     replay_rate=0.04, edit_rate=0.03, forge_every=2, seed=7)
     report = run_soak(spec)
     print(render(report))
