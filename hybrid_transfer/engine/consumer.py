@@ -255,6 +255,12 @@ class Consumer:
                 self._owners[b] = rid
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
+        elif not claims.mac_ok(ticket, self._secret):  # edited, or not signed under our secret: read nothing
+            req.disowned = True
+            self.stats.claims_refused += 1
+            self._end(req, TicketClaimError(request_id=rid, nonce=ticket.nonce, status="edited (its MAC does not "
+                                            "match its fields)", agent="(checked locally)"), now,
+                      FailureCause.TICKET_EDITED)
         elif plan is not None and self._greet(link) and self._lost_agent(link) is None:
             self._post(req, plan, now)
 
