@@ -138,3 +138,21 @@ def test_fuzzed_claims_decode_or_raise_our_error(data):
         wire.decode(bytes(raw))
     except WireDecodeError:
         pass
+
+
+def test_a_producer_with_a_secret_refuses_an_unsigned_or_edited_ticket(tmp_path):
+    from hybrid_transfer.cache import HybridCache
+    from hybrid_transfer.engine import EngineConfig, Producer
+    from hybrid_transfer.errors import TicketMismatchError
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    geometry = RankGeometry(model_from_config(TINY, name="tiny"), 1, 0)
+    with Producer(HybridCache.allocate(geometry, 16), EngineConfig(secret_file=str(secret))) as producer:
+        good = producer.hold("a", LAYOUT.block_ids, LAYOUT.num_tokens)
+        assert claims.mac_ok(good, b"0123456789abcdef0123456789abcdef") and not claims.mac_ok(good, None)
+        for bad in (msgspec.structs.replace(good, request_id="b", mac=b""),
+                    claims.sign(msgspec.structs.replace(good, request_id="b"), None)):
+            with pytest.raises(TicketMismatchError) as info:
+                producer.hold("b", ticket=bad)
+            assert [d[0] for d in info.value.differences] == ["mac"] and not producer.is_held("b")
