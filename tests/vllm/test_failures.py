@@ -18,15 +18,19 @@ def test_producer_killed_mid_read_is_a_failed_load_that_vllm_recomputes(model_di
     try:
         params = prefill(p, "p-kill", N)
         request = start_decode(d, "d-kill", N, params)
+        layout = d.layout("d-kill", N - 1)
         run_until("the READ is in flight", lambda: list(d.call("reads").values()) == [("reading", ["PROC"])], [p, d])
         hosts["victim"].kill()  # SIGKILL: the producer's memory and agent vanish mid-read
         failed, scheduled = [], []
 
         def note(engine, result):
-            failed.extend(r for r in result.failed_recving if r == "d-kill")
+            if "d-kill" in result.failed_recving:
+                # Reported once nothing can write: the connector zeroed what the READ may have half filled.
+                failed.append(d.call("attention_is_zero", layout))
             scheduled.append(result.scheduled.get("d-kill", 0))
 
         run_until("the load fails", lambda: bool(failed), [d], on_step=note)
+        assert failed == [True]
         run_until("decode recomputes and finishes", d.is_empty, [d], on_step=note)
         # kv_load_failure_policy "recompute": vLLM drops the external tokens and runs the whole prompt.
         assert N in scheduled and request.num_output_tokens == 2

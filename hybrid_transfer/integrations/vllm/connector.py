@@ -175,6 +175,11 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return REQUIRED_LAYOUT
 
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No: NIXL holds registrations of the memory wrapped at register_kv_caches; a remap would strand them."""
+        return False
+
 
 def _attention_flags(kv_cache_config: KVCacheConfig) -> list[bool]:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
