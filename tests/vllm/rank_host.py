@@ -133,7 +133,8 @@ def op_attention_is_zero(state: _State, key: str, layout) -> bool:
         for layer in group.layers:
             for view in (cache.k(layer), cache.v(layer)):
                 for b in ids:
-                    if bool(view[b * g.kernel_ratio: (b + 1) * g.kernel_ratio].view(-1).view(torch_uint8()).any()):
+                    raw = view[b * g.kernel_ratio: (b + 1) * g.kernel_ratio].contiguous().view(torch_uint8())
+                    if bool(raw.any()):
                         return False
     return True
 
