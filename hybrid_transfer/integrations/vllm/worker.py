@@ -95,6 +95,7 @@ class WorkerSide:
             log.error("hybrid-transfer: read of %s refused before any byte moved: %s", rid, exc)
             self._finished_recving.add(rid)
             self._failed_recving.add(rid)
+            self._decline(rid, order.ticket)  # the producer frees now, not at lease expiry
             return
         self._reads[key] = (rid, order)
 
