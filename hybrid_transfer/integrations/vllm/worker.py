@@ -126,6 +126,10 @@ class WorkerSide:
                 self._finished_recving.add(rid)
                 if result.state is ReadState.DONE:
                     self._zero_tail(order)
+                elif result.state is ReadState.ABORTED:
+                    # An abort that came before the producer link was ready told no producer rank:
+                    # a decline does, once linked (a rank that already heard counts it as a duplicate).
+                    self._decline(rid, order.ticket)
                 elif result.state is ReadState.FAILED:
                     log.warning("hybrid-transfer: read of %s failed (%s): vLLM recomputes it", rid, result.error)
                     self._zero_attention_blocks(order)
