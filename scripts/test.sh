@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), lint with ruff, run the test suite, then the vLLM suite.
+# Set up (scripts/setup.sh), lint with ruff, build the docs strictly, run the test suite, then the vLLM suite.
 #
 # The main suite runs in .venv, which has no vLLM: tests/vllm is excluded from it by name. The vLLM
 # suite (tests/vllm) runs in the cached vLLM 0.33 environment of scripts/vllm_env.sh (created on
@@ -9,6 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
+NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict  # broken links, anchors or docstrings fail
 .venv/bin/python -m pytest -q --ignore=tests/vllm "$@"
 
 if [ "${VLLM_SUITE:-1}" = "0" ]; then

@@ -51,6 +51,19 @@ def test_slots_from_layer_views_alias_the_engine_buffer(tiny_model):
     assert backing_bytes(views[7]).data_ptr() == buffer.data_ptr()
 
 
+def test_the_engines_attention_view_and_ours_agree_on_every_k_and_v(tiny_model):
+    """vLLM 0.33 splits its [blocks, heads, tokens, 2 * head_dim] view as K = [..., :d], V = [..., d:]."""
+    geometry = RankGeometry(tiny_model, 1)
+    _, views, slot_bytes, _ = _engine_views(geometry)
+    cache = HybridCache.wrap(geometry, slots_from_layer_views(views, geometry.tensor_map.layer_tensor, slot_bytes))
+    d = geometry.model.head_dim
+    for layer in geometry.model.attention_layers:
+        engine = views[layer]
+        engine.copy_(torch.randn(engine.shape).to(engine.dtype))
+        assert torch.equal(cache.k(layer), engine[..., :d]) and torch.equal(cache.v(layer), engine[..., d:])
+        assert torch.equal(cache.kv(layer), engine)
+
+
 def test_carve_slots_by_numbers_matches_the_views(tiny_model):
     geometry = RankGeometry(tiny_model, 1)
     buffer, views, slot_bytes, stride = _engine_views(geometry, offset=256, gap=1024)

@@ -19,26 +19,35 @@ Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hybrid_transfer.cache import Region
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.state import XferState
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
+
+if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_cuda will do (no torch import)
+    from hybrid_transfer.cache import Region
 
 log = logging.getLogger(__name__)
 
 _CONFIG_LOCK = threading.Lock()
 
 
-def _nixl_api() -> Any:
-    import nixl._api as api  # imported lazily: loading NIXL and UCX costs ~1 s
+def _nixl_api(module: str | None = None) -> Any:
+    """NIXL's Python API: the ``nixl`` meta package's, or one build's (``nixl_cu13._api``) for the doctor.
+
+    Imported lazily: loading NIXL and UCX costs ~1 s (and the meta package's CUDA probe imports torch).
+    """
+    if module is not None:
+        return importlib.import_module(module)
+    import nixl._api as api
 
     return api
 
@@ -49,8 +58,8 @@ def quiet_nixl_logging(level: str = "WARNING") -> None:
     logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
-def _nixl_errors() -> tuple[type[BaseException], ...]:
-    bind = _nixl_api().nixlBind
+def _nixl_errors(api: Any) -> tuple[type[BaseException], ...]:
+    bind = api.nixlBind
     found = tuple(getattr(bind, n) for n in dir(bind) if n.startswith("nixl") and n.endswith("Error"))
     return found + (RuntimeError, ValueError, TypeError)
 
@@ -108,9 +117,9 @@ class NixlAgent:
     Owned by the thread that creates it (see module docstring). ``close()`` is idempotent.
     """
 
-    def __init__(self, name: str, config: EngineConfig):
-        api = _nixl_api()
-        self._errors = _nixl_errors()
+    def __init__(self, name: str, config: EngineConfig, *, api_module: str | None = None):
+        api = _nixl_api(api_module)
+        self._errors = _nixl_errors(api)
         self.name = name
         self.config = config
         self._closed = False
@@ -128,7 +137,24 @@ class NixlAgent:
         except self._errors as exc:
             raise EngineError(str(exc), operation="create agent", agent=name) from exc
         if "UCX" not in self._agent.backends:
-            raise EngineError("the UCX backend plugin is not available", operation="create agent", agent=name)
+            plugins = sorted(self._agent.get_plugin_list())
+            why = "no UCX plugin was found" if "UCX" not in plugins else "the UCX plugin loaded but did not come up"
+            raise EngineError(f"{why} (plugins: {plugins})", operation="create agent", agent=name)
+
+    # ---- what NIXL loaded (the doctor reports it) -----------------------------------------
+    @property
+    def plugins(self) -> list[str]:
+        with self._wrap("get plugin list"):
+            return sorted(self._agent.get_plugin_list())
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted(self._agent.backends)
+
+    def mem_types(self, backend: str = "UCX") -> list[str]:
+        """Memory segment types ``backend`` can move (DRAM_SEG, VRAM_SEG, ...)."""
+        with self._wrap("get backend memory types"):
+            return sorted(self._agent.get_backend_mem_types(backend))
 
     # ---- memory -------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> None:

@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import describe_cache
+from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
@@ -66,6 +66,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class ConsumerStats:
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
 
 
 @dataclass
@@ -115,7 +117,7 @@ class Consumer:
         self.config = (config or EngineConfig()).validate()
         self.cache = cache
         self.geometry = cache.geometry
-        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+        self.engine_id = inputs.engine_id(engine_id) if engine_id is not None else uuid.uuid4().hex[:12]
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
@@ -147,6 +149,9 @@ class Consumer:
         self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
         self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
         self._next_heartbeat_at = clock()
+        # At most notifications_per_poll handled per poll (inbox.py). A Revoke may wait in the backlog, so
+        # no READ is judged DONE while one is left (see _advance).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
 
@@ -187,7 +192,9 @@ class Consumer:
 
         Raises (nothing has moved when any of these is raised):
             StatePositionError: ``expected_state_position`` is given and the ticket's differs.
-            TicketError: an inconsistent ticket.
+            TicketError: an inconsistent ticket, or a field that could not travel in one (a bool for an
+                int, a nonce outside [0, 2**63), ...), named with its value.
+            ConfigError: ``expected_state_position`` is not a non-negative int.
             RequestStateError: this request id is already being read.
             PlanError (subclasses): local (or, when the engine is already linked, remote) block ids
                 that do not fit the request.
@@ -196,10 +203,18 @@ class Consumer:
                 quarantined until nothing can write it).
         """
         self._check_open()
+        try:
+            ticket = wire.check_ticket(ticket)
+        except WireDecodeError as exc:
+            rid = getattr(ticket, "request_id", "?")
+            raise TicketError(str(exc), request_id=rid if isinstance(rid, str) else repr(rid)) from exc
+        if expected_state_position is not None:
+            expected_state_position = inputs.count("expected_state_position", expected_state_position)
+        inputs.block_id_lists("local", local_block_ids_per_group)
         rid = ticket.request_id
         if expected_state_position is not None and ticket.state_position != expected_state_position:
             raise StatePositionError(request_id=rid, expected=expected_state_position, actual=ticket.state_position)
-        if ticket.state_position != ticket.num_tokens or ticket.num_tokens < 0:
+        if ticket.state_position != ticket.num_tokens:
             raise TicketError(f"state position {ticket.state_position} must equal num_tokens {ticket.num_tokens}",
                               request_id=rid, state_position=ticket.state_position, num_tokens=ticket.num_tokens)
         if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:
@@ -374,7 +389,7 @@ class Consumer:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
-            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req):
+            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox):
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -531,9 +546,10 @@ class Consumer:
         return welcomed
 
     def _take_notifications(self) -> None:
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._inbox.put(self.agent.get_notifs())
+        self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
 
     def _on_notification(self, sender: str, message: bytes) -> None:
         try:

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from hybrid_transfer.errors import ConfigError, ShardingError
 from hybrid_transfer.layout.model import DType, ModelSpec
 from hybrid_transfer.layout.tensor_map import TensorMap, build_tensor_map
+
+if TYPE_CHECKING:
+    from hybrid_transfer.layout.engine_spec import EngineRankSpec
 
 DEFAULT_ALIGNMENT = 16  # FlashAttention's smallest kernel block
 
@@ -70,9 +75,10 @@ class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conv_layout: ConvLayout = ConvLayout.DS
     ssm_order: SsmOrder = SsmOrder.V_D_K
     kv_layout: KVLayout = KVLayout.INTERLEAVED
+    conv_dtype: DType | None = None  # None: the model dtype (an engine may keep conv state in another)
 
     def __post_init__(self) -> None:
-        for name in ("kv_dtype", "ssm_dtype"):
+        for name in ("kv_dtype", "ssm_dtype", "conv_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, DType):
                 if not isinstance(value, str):
@@ -87,8 +93,10 @@ class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if value is None and name != "alignment":
                 continue
             # bool is an int subclass: True would silently mean a block of one token.
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ConfigError(f"{name}={value!r} must be an integer", field=name, value=value)
+            if type(value) is not int:  # numpy integers: plain ints keep msgspec encoding and hashing simple
+                msgspec.structs.force_setattr(self, name, int(value))
 
 
 def _coerce_enum(enum_type: type[enum.Enum], name: str, value: object) -> enum.Enum:
@@ -118,13 +126,25 @@ class RankGeometry:
         self.options = options or CacheOptions()
         _check_sharding(model, tp_size, tp_rank)
         self.kv_dtype = self.options.kv_dtype or model.dtype
-        self.conv_dtype = model.dtype
+        self.conv_dtype = self.options.conv_dtype or model.dtype
         self.ssm_dtype = self.options.ssm_dtype or model.ssm_dtype
         self.conv_layout = self.options.conv_layout
         self.ssm_order = self.options.ssm_order
         self.kv_layout = self.options.kv_layout
         self.tensor_map: TensorMap = build_tensor_map(model)
         self._check_block_sizes()
+
+    @classmethod
+    def from_engine_specs(cls, model: ModelSpec, tp_size: int, tp_rank: int, spec: EngineRankSpec) -> RankGeometry:
+        """The geometry of a live engine's rank, checked against the registry (layout/engine_spec.py).
+
+        Raises:
+            EngineSpecMismatch: every disagreement (head count, shapes, layer-to-slot map, groups,
+                block sizes, page size), each named with both values.
+        """
+        from hybrid_transfer.layout.engine_spec import geometry_from_engine_spec
+
+        return geometry_from_engine_spec(model, tp_size, tp_rank, spec)
 
     # ---- attention ---------------------------------------------------------
     @property

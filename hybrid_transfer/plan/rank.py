@@ -33,6 +33,7 @@ class RankDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conv_segment_bytes: tuple[int, int, int] = (0, 0, 0)
     ssm_bytes: int = 0
     kv_layout: str = KVLayout.INTERLEAVED.value  # protocol 3
+    conv_dtype: str = ""  # protocol 4: the conv state's dtype when an engine overrides it ("": the model dtype)
 
     @property
     def region_bytes(self) -> int:
@@ -62,6 +63,7 @@ def describe_rank(geometry: RankGeometry, tensor_addrs: tuple[int, ...] | list[i
         conv_segment_bytes=geometry.conv_segment_bytes,
         ssm_bytes=geometry.ssm_bytes,
         kv_layout=geometry.kv_layout.value,
+        conv_dtype=geometry.conv_dtype.value,
     )
 
 
@@ -79,6 +81,7 @@ def geometry_from_descriptor(model: ModelSpec, desc: RankDescriptor) -> RankGeom
         conv_layout=ConvLayout(desc.conv_layout),
         ssm_order=SsmOrder(desc.ssm_order),
         kv_layout=desc.kv_layout,
+        conv_dtype=DType(desc.conv_dtype) if desc.conv_dtype else None,
     )
     geometry = RankGeometry(model, desc.tp_size, desc.tp_rank, options)
     for name, ours, theirs in (

@@ -39,3 +39,9 @@ def decline(state, key, ticket_bytes) -> bool:
 
 def expect(state, key, request_id, nonce) -> None:
     state.ranks[key].engine.expect(request_id, nonce)
+
+
+def decline_counts(state, key) -> dict:
+    consumer = state.ranks[key].engine
+    return {"pending": consumer.num_pending_declines, "sent": consumer.stats.declines_sent,
+            "dropped": consumer.stats.declines_dropped}

@@ -10,7 +10,7 @@ import time
 import uuid
 
 import pytest
-from api_ops import decline, expect, fill, hold_ticket_and_poll, rank_card
+from api_ops import decline, decline_counts, expect, fill, hold_ticket_and_poll, rank_card
 from harness import TINY, RankSpec, RemoteError, hold_everywhere, start_consumers, start_producers
 
 from hybrid_transfer.engine import EngineCard, EngineConfig, encode_ticket, issue_ticket, wire
@@ -164,6 +164,29 @@ def test_a_decline_before_the_hold_frees_the_request_at_the_hold(cluster):
         assert status["num_held_blocks"] == 0 and status["stats"]["completions_aborted"] == 1
     finally:
         _close([p_worker], keys)
+        consumers.close()
+
+
+def test_a_decline_towards_an_unreachable_engine_is_dropped_after_the_handshake_timeout(cluster):
+    """Nothing listens at the ticket's address: decline() still returns at once, poll() gives up later."""
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago and that nobody listens on
+        s.bind(("127.0.0.1", 0))
+        address = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    c_worker = cluster.workers[1]
+    consumers = start_consumers([c_worker], [RankSpec(TINY, 1, 0, 16)], EngineConfig(handshake_timeout_s=0.5))
+    try:
+        ticket = wire.Ticket(engine_id="ghost", incarnation=1, addresses=(address,), tp_size=1, request_id="lost",
+                             nonce=5, block_ids=LAYOUT.block_ids, num_tokens=20, state_position=20, lease_s=120.0)
+        key = consumers.keys[0]
+        assert c_worker.call("call", decline, key, encode_ticket(ticket)) is True
+        assert c_worker.call("call", decline_counts, key)["pending"] == 1
+        deadline = time.monotonic() + WAIT_S
+        while c_worker.call("call", decline_counts, key)["pending"] and time.monotonic() < deadline:
+            c_worker.call("settle", 0.1)
+        assert c_worker.call("call", decline_counts, key) == {"pending": 0, "sent": 0, "dropped": 1}
+    finally:
         consumers.close()
 
 
