@@ -7,7 +7,7 @@ import enum
 import msgspec
 
 from hybrid_transfer.errors import ConfigError
-from hybrid_transfer.layout import CacheOptions, DType, load_preset
+from hybrid_transfer.layout import CacheOptions, DType, KVLayout, load_preset
 from hybrid_transfer.plan.types import PlanMode
 
 KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
@@ -71,6 +71,7 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sweep: Sweep = Sweep.NONE
     sweep_values: tuple[float, ...] = ()
     backend_threads: int = 0  # EngineConfig.num_backend_threads of every rank (0: NIXL's default)
+    kv_layout: str = KVLayout.INTERLEAVED.value  # attention page layout of both sides (vLLM 0.33's default)
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -91,6 +92,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("warmup", self.warmup, "must be >= 0")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             _bad("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_DTYPES)}")
+        if self.kv_layout not in {m.value for m in KVLayout}:
+            _bad("kv_layout", self.kv_layout, f"must be one of {[m.value for m in KVLayout]}")
         for name in ("prefill_gpus", "decode_gpus"):
             gpus = getattr(self, name)
             if not gpus or any(g < 0 for g in gpus):
@@ -105,7 +108,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def cache_options(self) -> CacheOptions:
-        return CacheOptions(kv_dtype=KV_DTYPES[self.kv_dtype] if self.kv_dtype else None)
+        return CacheOptions(kv_dtype=KV_DTYPES[self.kv_dtype] if self.kv_dtype else None,
+                            kv_layout=KVLayout(self.kv_layout))
 
     @property
     def points(self) -> tuple[Point, ...]:

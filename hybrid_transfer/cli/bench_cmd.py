@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from hybrid_transfer.bench.spec import DEFAULT_SWEEP_VALUES, KV_DTYPES, BenchSpec, Device, Sweep
-from hybrid_transfer.layout import preset_names
+from hybrid_transfer.layout import KVLayout, preset_names
 from hybrid_transfer.plan.types import PlanMode
 
 _DEFAULTS = BenchSpec()
@@ -42,10 +42,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Spawns one process per prefill rank and per decode rank, each with its own NIXL agent (UCX), and "
             "moves model-shaped requests (paged KV of every attention layer + GDN state) through the engine. "
-            "Every run measures, on the same bytes: the chosen --mode, the naive mode (one descriptor per "
-            "region, kernel block and sub-region, like vLLM) and the ceiling (one READ of the same bytes per "
-            "(decode rank, source) as a single descriptor, between the same processes). Prints a summary "
-            "table; --json and --plot write files."
+            "Every run measures, on the same requests: the chosen --mode, the naive mode (vLLM 0.33's own "
+            "scheme: one descriptor per shared tensor and kernel page, whole pages) and the ceiling (one READ "
+            "of the same bytes per (decode rank, source) as a single descriptor, between the same processes). "
+            "GB/s counts the valid payload bytes for every variant (naive's page tails are not counted). "
+            "Prints a summary table; --json and --plot write files."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -77,6 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cuda: GPU indices for decode ranks, round-robin (e.g. 1 or 0,1)")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype on both sides; None means the model dtype")
+    parser.add_argument("--kv-layout", choices=[m.value for m in KVLayout], default=d.kv_layout,
+                        help="attention page layout of both sides: interleaved [heads][tokens][K|V] (vLLM 0.33) "
+                             "or split [K | V] halves (older vLLM)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of block ids and byte patterns")
     parser.add_argument("--backend-threads", type=int, default=d.backend_threads, metavar="N",
                         help="UCX backend worker threads per NIXL agent (0: NIXL's default); more threads "
@@ -113,6 +117,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         decode_gpus=tuple(args.decode_gpus), kv_dtype=args.kv_dtype, seed=args.seed, verify=args.verify,
         warmup=args.warmup, rounds=args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
         sweep_values=tuple(args.sweep_values or ()), backend_threads=args.backend_threads,
+        kv_layout=args.kv_layout,
     ).validate()
 
 
