@@ -8,6 +8,8 @@ import msgspec
 
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, DType, KVLayout, load_preset
+from hybrid_transfer.layout.model import context_tokens
+from hybrid_transfer.layout.presets import preset_config
 from hybrid_transfer.plan.types import PlanMode
 
 KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
@@ -76,6 +78,7 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
         load_preset(self.preset)  # UnknownPresetError names the shipped ones
+        max_tokens = context_tokens(preset_config(self.preset))
         for name in ("prefill_tp", "decode_tp", "requests", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be >= 1")
@@ -86,6 +89,11 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("decode_tp", d, f"and prefill TP {p}: one must divide the other")
         if self.tokens < 0:
             _bad("tokens", self.tokens, "must be >= 0")
+        if self.seed < 0:
+            _bad("seed", self.seed, "must be >= 0")
+        most = max((self.tokens, *(self.sweep_values if self.sweep is Sweep.TOKENS else ())))
+        if max_tokens is not None and most > max_tokens:
+            _bad("tokens", most, f"exceeds the {max_tokens} tokens that {self.preset} allows (max_position_embeddings)")
         if not 0.0 <= self.fragmentation <= 1.0:
             _bad("fragmentation", self.fragmentation, "must be in [0, 1]")
         if self.warmup < 0:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from hybrid_transfer.bench.spec import DEFAULT_SWEEP_VALUES, KV_DTYPES, BenchSpec, Device, Sweep
+from hybrid_transfer.cli.common import check_output_path
 from hybrid_transfer.layout import KVLayout, preset_names
 from hybrid_transfer.plan.types import PlanMode
 
@@ -127,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_transfer.bench.report import plain_table, print_table, to_json
 
     spec = spec_from_args(args)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_path(path, flag)  # before the run, not after it
     coordinator = Coordinator(spec)
     has_rich = importlib.util.find_spec("rich") is not None  # the bench extra; bare GPU images may lack it
     if has_rich and sys.stderr.isatty():

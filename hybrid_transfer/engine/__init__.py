@@ -15,6 +15,7 @@ Diagnostics (`hybrid-transfer doctor`): diagnostics, diagnostics_host, diagnosti
 diagnostics_loopback, diagnostics_ucx.
 """
 
+from hybrid_transfer.engine.agent import quiet_nixl_logging
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.producer import Producer
@@ -26,5 +27,6 @@ from hybrid_transfer.engine.wire import Ticket, decode_ticket, encode_ticket
 __all__ = [
     "Consumer", "EngineCard", "EngineConfig", "FailureCause", "HoldState", "PrepStrategy", "Producer",
     "ProgressPolicy", "RankCard", "ReadResult", "ReadState", "Ticket", "decode_rank_card", "decode_ticket",
-    "encode_rank_card", "encode_ticket", "issue_ticket", "ticket_from_params", "ticket_to_params",
+    "encode_rank_card", "encode_ticket", "issue_ticket", "quiet_nixl_logging",
+    "ticket_from_params", "ticket_to_params",
 ]

@@ -62,6 +62,7 @@ class PrepStrategy(enum.Enum):
 
 
 _STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
 class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -78,7 +79,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings shared by producers and consumers; every field has a default that works on loopback.
 
     side_channel_host / side_channel_port: where a producer's handshake listener binds (port 0 picks a
-        free port; read it back from ``Producer.address``).
+        free port; read it back from ``Producer.address``). A wildcard (0.0.0.0, ::, *) binds every
+        interface and then needs ``advertise_host``.
+    advertise_host: the host name or address of this rank that tickets and handshake replies give
+        to consumers (with the bound port); None: side_channel_host, which must then not be a wildcard.
     handshake_timeout_s: how long a consumer waits for every rank of a producer engine to answer.
     read_deadline_s: how long a consumer request may wait for handshakes and its READs before it fails.
     lease_s: how long a producer pins a request's blocks, on its own clock; carried in tickets.
@@ -103,10 +107,14 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         announced with ``Producer.expect`` are kept for a whole lease instead.
     early_completion_limit: at most this many such completions are kept per producer rank (the
         oldest go first, counted in ``ProducerStats.early_evicted``).
+    max_pending_handshakes: consumer agents a producer rank remembers between their handshake and their
+        Hello; beyond it the oldest is forgotten (a flood of handshakes cannot grow memory).
+    pending_handshake_s: how long a producer rank waits for a Hello after a handshake, on its own clock.
     """
 
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
+    advertise_host: str | None = None
     handshake_timeout_s: float = 10.0
     read_deadline_s: float = 60.0
     lease_s: float = 120.0
@@ -121,6 +129,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     calibrate: bool = True
     early_completion_grace_s: float = 30.0
     early_completion_limit: int = 4096
+    max_pending_handshakes: int = 1024
+    pending_handshake_s: float = 60.0
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -128,8 +138,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
         if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
+        self._validate_advertise_host()
         for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s",
-                     "early_completion_grace_s"):
+                     "early_completion_grace_s", "pending_handshake_s"):
             value = getattr(self, name)
             if name == "heartbeat_interval_s" and value is None:
                 continue
@@ -141,6 +152,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("early_completion_limit", self.early_completion_limit, "must be a positive integer")
         if not isinstance(self.progress_delay_us, int) or self.progress_delay_us < 0:
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
+        if not _is_int(self.max_pending_handshakes) or self.max_pending_handshakes < 1:
+            _bad("max_pending_handshakes", self.max_pending_handshakes, "must be a positive integer")
         if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
             _bad("num_backend_threads", self.num_backend_threads, "must be a non-negative integer")
         if not isinstance(self.mode, PlanMode):
@@ -198,6 +211,19 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             built = msgspec.structs.replace(built, side_channel_port=base + tp_rank)
         return built.validate()
 
+    def _validate_advertise_host(self) -> None:
+        host = self.advertise_host
+        if host is None:
+            if self.side_channel_host in WILDCARD_HOSTS:
+                _bad("advertise_host", host, f"must be set when side_channel_host={self.side_channel_host!r}: "
+                     "a wildcard binds every interface, but no other host can connect to it; advertise an "
+                     "address of this host that consumers reach")
+            return
+        if not isinstance(host, str) or not host or host in WILDCARD_HOSTS or any(
+                c in host for c in "/ \t\n"):
+            _bad("advertise_host", host, "must be a host name or address other hosts can reach (not a wildcard, "
+                 "not a URL)")
+
     @property
     def heartbeat_every_s(self) -> float:
         """The heartbeat interval in effect (``heartbeat_interval_s``, or its default from lease_s)."""
@@ -217,6 +243,10 @@ def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         value = value.get(part) if isinstance(value, Mapping) else None
     return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bad(field: str, value: object, why: str) -> None:

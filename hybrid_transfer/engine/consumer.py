@@ -26,11 +26,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import describe_cache
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
@@ -66,6 +65,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class Consumer:
         self.config = (config or EngineConfig()).validate()
         self.cache = cache
         self.geometry = cache.geometry
-        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+        self.engine_id = inputs.engine_id(engine_id) if engine_id is not None else uuid.uuid4().hex[:12]
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
@@ -187,7 +187,9 @@ class Consumer:
 
         Raises (nothing has moved when any of these is raised):
             StatePositionError: ``expected_state_position`` is given and the ticket's differs.
-            TicketError: an inconsistent ticket.
+            TicketError: an inconsistent ticket, or a field that could not travel in one (a bool for an
+                int, a nonce outside [0, 2**63), ...), named with its value.
+            ConfigError: ``expected_state_position`` is not a non-negative int.
             RequestStateError: this request id is already being read.
             PlanError (subclasses): local (or, when the engine is already linked, remote) block ids
                 that do not fit the request.
@@ -196,10 +198,18 @@ class Consumer:
                 quarantined until nothing can write it).
         """
         self._check_open()
+        try:
+            ticket = wire.check_ticket(ticket)
+        except WireDecodeError as exc:
+            rid = getattr(ticket, "request_id", "?")
+            raise TicketError(str(exc), request_id=rid if isinstance(rid, str) else repr(rid)) from exc
+        if expected_state_position is not None:
+            expected_state_position = inputs.count("expected_state_position", expected_state_position)
+        inputs.block_id_lists("local", local_block_ids_per_group)
         rid = ticket.request_id
         if expected_state_position is not None and ticket.state_position != expected_state_position:
             raise StatePositionError(request_id=rid, expected=expected_state_position, actual=ticket.state_position)
-        if ticket.state_position != ticket.num_tokens or ticket.num_tokens < 0:
+        if ticket.state_position != ticket.num_tokens:
             raise TicketError(f"state position {ticket.state_position} must equal num_tokens {ticket.num_tokens}",
                               request_id=rid, state_position=ticket.state_position, num_tokens=ticket.num_tokens)
         if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:

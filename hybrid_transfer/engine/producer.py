@@ -2,8 +2,8 @@
 
 Threads: the thread that builds a Producer owns it and its NIXL agent (hold, poll,
 close). A named daemon thread answers handshakes from immutable, precomputed data
-(handshake.ProducerCard) and passes the names of accepted consumer agents back
-through a queue.
+(handshake.ProducerCard) and records the names of accepted consumer agents in a
+locked, bounded table (pending.py) until they say Hello.
 
 Lifecycle (issue 5; the rules live in holds.py): leases on this rank's clock, renewed by
 consumer heartbeats; aborts that revoke the ticket at every consumer agent that may read it;
@@ -15,7 +15,6 @@ with a Welcome listing revoked tickets; a Bye, or NIXL reporting them disconnect
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import time
 import uuid
@@ -23,13 +22,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer, describe_cache
+from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
+from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
@@ -44,6 +44,7 @@ from hybrid_transfer.errors import (
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ProducerStats:
     byes: int = 0
     revokes_sent: int = 0
     notify_failures: int = 0  # a Welcome or Revoke that could not be sent (the agent is then forgotten)
+    handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
+    handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
 
 
 class Producer:
@@ -86,8 +89,9 @@ class Producer:
     Args:
         cache: this rank's cache (its geometry gives tp_rank and tp_size).
         config: engine settings (validated here).
-        engine_id, incarnation: the producer engine's identity; pass the same values on every rank
-            of the engine (defaults: random, fine for a one-rank engine).
+        engine_id: the producer engine's name; pass the same value on every rank of the engine
+            (default: random, fine for a one-rank engine).
+        incarnation: distinguishes a restarted engine from its predecessor; same rule as ``engine_id``.
         clock: monotonic seconds, injectable for tests.
     """
 
@@ -96,8 +100,8 @@ class Producer:
         self.config = (config or EngineConfig()).validate()
         self.cache = cache
         self.geometry = cache.geometry
-        self.engine_id = engine_id or uuid.uuid4().hex[:12]
-        self.incarnation = incarnation if incarnation is not None else secrets.randbits(62)
+        self.engine_id = inputs.engine_id(engine_id) if engine_id is not None else uuid.uuid4().hex[:12]
+        self.incarnation = inputs.nonce("incarnation", incarnation) if incarnation is not None else secrets.randbits(62)
         self.tp_rank, self.tp_size = self.geometry.tp_rank, self.geometry.tp_size
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
@@ -113,11 +117,14 @@ class Producer:
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
                 self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
-            self._accepted: queue.SimpleQueue[str] = queue.SimpleQueue()
+            # Consumer agents between handshake and Hello; the listener thread adds to it (pending.py).
+            self._pending = PendingHandshakes(clock, self.config.pending_handshake_s,
+                                              self.config.max_pending_handshakes)
             self.listener_stats = ListenerStats()
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
-                                           self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}")
+                                           self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}",
+                                           advertise_host=self.config.advertise_host)
             self.address = self._server.address
             self._set_card(() if self.tp_size > 1 else (self.address,))
             self._server.start()
@@ -129,8 +136,7 @@ class Producer:
         self._book = HoldBook(clock, self.config.lease_s, self.fences)
         self._early = EarlyCompletions(clock, self.config.early_completion_grace_s, self.config.lease_s,
                                        self.config.early_completion_limit)
-        self._known_agents: set[str] = set()  # consumer agents whose handshake this rank accepted
-        self._welcomed: set[str] = set()  # ... which said Hello and were welcomed: the only possible readers
+        self._welcomed: set[str] = set()  # consumer agents that said Hello and were welcomed: the only readers
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -156,7 +162,7 @@ class Producer:
         staged = self.stager.respond(data) if self.stager is not None else None
         if staged is not None:
             return staged
-        return answer(card, data, self.listener_stats, self._accepted.put) if card is not None else None
+        return answer(card, data, self.listener_stats, self._pending.add) if card is not None else None
 
     # ---- requests -----------------------------------------------------------------
     def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None = None,
@@ -178,14 +184,23 @@ class Producer:
             TicketMismatchError: the ticket disagrees with this rank (each difference named); nothing pinned.
             RequestStateError: the request is already held.
             PlanError (subclasses): block ids of the wrong count, out of range or repeated.
-            ConfigError: a rank other than 0 without rank 0's nonce or a ticket, no block ids or token
-                count, or engine addresses not set.
+            ConfigError: a rank other than 0 without rank 0's nonce or a ticket, no block ids, engine
+                addresses not set, or an argument of the wrong type or range (``field`` names it):
+                request_id a non-empty str, num_tokens an int >= 0, nonce an int in [0, 2**63); bools
+                are not ints.
             FenceError: a step marked as writing one of the blocks (mark_blocks_written) has not finished.
         """
         self._check_open()
+        request_id = inputs.request_id(request_id)
         if ticket is not None:
             block_ids_per_group, num_tokens, nonce = self._check_ticket(request_id, block_ids_per_group, num_tokens,
                                                                         nonce, ticket)
+        if block_ids_per_group is None:
+            raise ConfigError(f"hold({request_id!r}) needs block ids or a ticket", field="block_ids_per_group")
+        num_tokens = inputs.count("num_tokens", num_tokens)
+        if nonce is not None:
+            nonce = inputs.nonce("nonce", nonce)
+        inputs.block_id_lists("producer", block_ids_per_group)
         if self._book.get(request_id) is not None:
             raise RequestStateError("is already held", request_id=request_id, state=HoldState.HELD.value)
         if nonce is None and self.tp_rank != 0:
@@ -193,16 +208,11 @@ class Producer:
         if len(self.engine_addresses) != self.tp_size:
             raise ConfigError("call set_engine_addresses() before hold() on a multi-rank engine",
                               field="engine_addresses")
-        if block_ids_per_group is None:
-            raise ConfigError(f"hold({request_id!r}) needs block ids or a ticket", field="block_ids_per_group")
-        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 0:
-            raise ConfigError(f"num_tokens={num_tokens!r} must be a non-negative integer", field="num_tokens",
-                              value=num_tokens)
         ids = block_id_arrays("producer", block_ids_per_group, len(self._kinds))
         validate_block_ids("producer", ids, self._kinds, num_tokens, self.geometry.block_size,
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
-        nonce = secrets.randbits(63) if nonce is None else int(nonce)
+        nonce = secrets.randbits(63) if nonce is None else nonce
         hold = self._book.add(request_id, nonce, block_ids, num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
@@ -284,6 +294,11 @@ class Producer:
         return self._book.num_pinned_blocks
 
     @property
+    def num_pending_handshakes(self) -> int:
+        """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see pending.py)."""
+        return len(self._pending)
+
+    @property
     def terminal_counts(self) -> dict[str, int]:
         """Holds that ended, by terminal state (freed / expired / aborted)."""
         return dict(self._book.terminal_counts)
@@ -319,11 +334,9 @@ class Producer:
         aborted) and the step fences of its blocks have passed.
         """
         self._check_open()
-        while True:
-            try:
-                self._known_agents.add(self._accepted.get_nowait())
-            except queue.Empty:
-                break
+        self._pending.expire()
+        self.stats.handshakes_evicted = self._pending.num_evicted
+        self.stats.handshakes_expired = self._pending.num_expired
         for sender, messages in self.agent.get_notifs().items():
             for message in messages:
                 self._on_notification(sender, message)
@@ -355,7 +368,7 @@ class Producer:
                 isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
             self.stats.malformed += 1
             return
-        if sender not in self._known_agents:
+        if sender not in self._welcomed and sender not in self._pending:
             self.stats.unknown_agent += 1
             log.warning("producer %s: notification from %s, which never handshaked", self.agent.name, sender)
             return
@@ -425,6 +438,7 @@ class Producer:
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
         if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))):
             self._welcomed.add(sender)
+            self._pending.discard(sender)
             self.stats.hellos += 1
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
@@ -449,7 +463,7 @@ class Producer:
 
     def _forget(self, agent: str) -> None:
         """A consumer agent reads nothing from here any more: drop it, and stop waiting for its acks."""
-        self._known_agents.discard(agent)
+        self._pending.discard(agent)
         self._welcomed.discard(agent)
         self._book.forget_agent(agent)
         try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -92,8 +93,10 @@ class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             if value is None and name != "alignment":
                 continue
             # bool is an int subclass: True would silently mean a block of one token.
-            if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ConfigError(f"{name}={value!r} must be an integer", field=name, value=value)
+            if type(value) is not int:  # numpy integers: plain ints keep msgspec encoding and hashing simple
+                msgspec.structs.force_setattr(self, name, int(value))
 
 
 def _coerce_enum(enum_type: type[enum.Enum], name: str, value: object) -> enum.Enum:

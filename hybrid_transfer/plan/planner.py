@@ -175,8 +175,9 @@ class Planner:
         """Plan one request: block ids per cache group (tensor_map.groups order) on each side.
 
         Raises:
-            PlanError and its subclasses (GroupCountError, BlockCountError, BlockIdError,
-            DuplicateBlockError, RangeError, OverlapError, ByteCountError) when ``validate``.
+            PlanError: when ``validate``, a subclass naming the bad values (GroupCountError,
+                BlockCountError, BlockIdError, DuplicateBlockError, RangeError, OverlapError,
+                ByteCountError).
         """
         mode = PlanMode(mode)
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:

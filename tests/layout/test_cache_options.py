@@ -38,6 +38,14 @@ def test_strings_are_coerced_to_enums(field, given, want):
     assert getattr(CacheOptions(**{field: given}), field) is want
 
 
+def test_numpy_integers_become_ints():
+    import numpy as np
+
+    o = CacheOptions(block_size=np.int64(544), kernel_block_size=np.int32(16), alignment=np.int64(16))
+    assert (o.block_size, o.kernel_block_size, o.alignment) == (544, 16, 16)
+    assert all(type(v) is int for v in (o.block_size, o.kernel_block_size, o.alignment))
+
+
 def test_sd_string_gives_an_sd_view_not_a_ds_one():
     """The bug this guards: a string compared against the enum silently took the DS branch."""
     g = RankGeometry(load_preset("qwen3.5-0.8b"), 1, options=CacheOptions(conv_layout="SD"))

@@ -28,10 +28,10 @@ from hybrid_transfer.layout import (
     SsmOrder,
     model_from_config,
 )
-from hybrid_transfer.plan.executor import MemorySpace, execute
+from hybrid_transfer.plan.executor import execute
 from hybrid_transfer.plan.planner import Planner
-from hybrid_transfer.plan.rank import describe_rank
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
+from hybrid_transfer.planner_input import describe_cache, memory_space
 from hybrid_transfer.verify import check_destination, fill_source, make_request, poison
 
 TP = st.sampled_from([1, 2, 4, 8])
@@ -109,20 +109,13 @@ def scenarios(draw):
     }
 
 
-def space_of(cache: HybridCache, name: str) -> MemorySpace:
-    space = MemorySpace(name)
-    for t in cache.tensors:
-        space.register(t.data_ptr(), t.numpy())
-    return space
-
-
 def engine(model, tp, options, num_tokens, spare, rng, fragmentation, extra=0):
     geos = [RankGeometry(model, tp, r, options) for r in range(tp)]
     needed = sum(len(ids) for ids in make_request(geos[0], num_tokens, 10**6, 0, 0.0, extra).block_ids)
     num_blocks = 2 * needed + spare + 1
     request = make_request(geos[0], num_tokens, num_blocks, rng, fragmentation, extra)
     caches = [HybridCache.allocate(g, num_blocks) for g in geos]
-    descs = [describe_rank(g, [r.addr for r in c.regions], num_blocks) for g, c in zip(geos, caches, strict=True)]
+    descs = [describe_cache(c) for c in caches]
     return caches, descs, request
 
 
@@ -163,7 +156,7 @@ def test_every_plan_moves_exactly_the_right_bytes(s):
     for cache in pre:
         poison(cache)
         fill_source(cache, pre_req, s["seed"])
-    remotes = {r: space_of(c, f"prefill {r}") for r, c in enumerate(pre)}
+    remotes = {r: memory_space(c, f"prefill {r}") for r, c in enumerate(pre)}
     heard: dict[int, list[tuple[int, int]]] = {}
     for rank, cache in enumerate(dec):
         poison(cache)
@@ -173,7 +166,7 @@ def test_every_plan_moves_exactly_the_right_bytes(s):
         naive = s["mode"] is PlanMode.NAIVE
         if not naive:
             assert plan.expected_bytes == planner.expected_bytes(n)  # valid bytes only
-        execute(plan, space_of(cache, f"decode {rank}"), remotes)
+        execute(plan, memory_space(cache, f"decode {rank}"), remotes)
         check_destination(cache, dec_req, s["seed"], skip_attention_tails=naive)
         if naive:
             assert_page_granular(plan, cache, dec_req, pre, pre_req)
