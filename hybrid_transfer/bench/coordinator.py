@@ -217,11 +217,13 @@ class Coordinator:
         for r, p in enumerate(self.producers):
             p.send("setup", RankSetup(s.preset, s.kv_dtype, True, s.prefill_tp, r, p_blocks, s.device.value,
                                       s.gpu_of(True, r), threads, prefill_id, incarnation, s.mode.value, level,
-                                      poll_sleep_s, sizing.staging_bytes(s, True), s.backend_threads))
+                                      poll_sleep_s, sizing.staging_bytes(s, True), s.backend_threads,
+                                      s.split_batch_size))
         for r, c in enumerate(self.consumers):
             c.send("setup", RankSetup(s.preset, s.kv_dtype, False, s.decode_tp, r, d_blocks, s.device.value,
                                       s.gpu_of(False, r), threads, decode_id, 0, s.mode.value, level,
-                                      poll_sleep_s, sizing.staging_bytes(s, False), s.backend_threads))
+                                      poll_sleep_s, sizing.staging_bytes(s, False), s.backend_threads,
+                                      s.split_batch_size))
         started = [p.recv() for p in self.producers]
         for c in self.consumers:
             c.recv()

@@ -31,7 +31,8 @@ def common_record(result: BenchResult) -> dict[str, Any]:
     record: dict[str, Any] = {
         "preset": s.preset, "prefill_tp": s.prefill_tp, "decode_tp": s.decode_tp, "requests": s.requests,
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
-        "kv_dtype": s.kv_dtype or "model", "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds, "backend_threads": s.backend_threads,
+        "kv_dtype": s.kv_dtype or "model", "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
+        "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size,
     }
     if s.device is Device.CUDA:
         record["prefill_gpus"] = list(s.prefill_gpus)

@@ -70,7 +70,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rounds: int = 1
     sweep: Sweep = Sweep.NONE
     sweep_values: tuple[float, ...] = ()
-    backend_threads: int = 0  # EngineConfig.num_backend_threads of every rank (0: NIXL's default)
+    backend_threads: int | None = None  # EngineConfig.num_backend_threads of every rank (None: its default)
+    split_batch_size: int | None = None  # EngineConfig.split_batch_size of every rank (None: its default)
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -78,8 +79,10 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("prefill_tp", "decode_tp", "requests", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be >= 1")
-        if self.backend_threads < 0:
+        if self.backend_threads is not None and self.backend_threads < 0:
             _bad("backend_threads", self.backend_threads, "must be >= 0")
+        if self.split_batch_size is not None and self.split_batch_size < 1:
+            _bad("split_batch_size", self.split_batch_size, "must be >= 1")
         p, d = self.prefill_tp, self.decode_tp
         if p % d and d % p:
             _bad("decode_tp", d, f"and prefill TP {p}: one must divide the other")

@@ -47,7 +47,15 @@ class RankSetup:
     log_level: str = "WARNING"
     poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
     staging_bytes: int = 256 << 20  # pack / auto staging pool (sizing.staging_bytes)
-    backend_threads: int = 0  # EngineConfig.num_backend_threads
+    backend_threads: int | None = None  # EngineConfig.num_backend_threads
+    split_batch_size: int | None = None  # EngineConfig.split_batch_size
+
+    def engine_config(self, **fields):
+        """The EngineConfig of this rank's agents (the UCX backend settings of the run, plus ``fields``)."""
+        from hybrid_transfer.engine import EngineConfig
+
+        return EngineConfig(num_backend_threads=self.backend_threads, split_batch_size=self.split_batch_size,
+                            **fields)
 
 
 @dataclass(frozen=True)
@@ -107,7 +115,7 @@ def op_setup(rank: _Rank, setup: RankSetup):
 
     from hybrid_transfer.bench.spec import KV_DTYPES
     from hybrid_transfer.cache import HybridCache
-    from hybrid_transfer.engine import EngineConfig, Producer
+    from hybrid_transfer.engine import Producer
     from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset
     from hybrid_transfer.plan.types import PlanMode
 
@@ -127,8 +135,7 @@ def op_setup(rank: _Rank, setup: RankSetup):
     rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
     if not setup.is_prefill:
         return None
-    config = EngineConfig(mode=PlanMode(setup.mode), staging_bytes=setup.staging_bytes,
-                          num_backend_threads=setup.backend_threads)
+    config = setup.engine_config(mode=PlanMode(setup.mode), staging_bytes=setup.staging_bytes)
     rank.producer = Producer(rank.cache, config, engine_id=setup.engine_id,
                              incarnation=setup.incarnation)
     return rank.producer.address, rank.producer.descriptor
@@ -187,14 +194,13 @@ def op_serve(rank: _Rank, request_ids):
 
 def op_open_consumer(rank: _Rank, mode: str, address: str, producer_descriptors, timeout_s: float):
     """A Consumer in ``mode`` over this rank's cache, handshaked now (outside every timed window)."""
-    from hybrid_transfer.engine import Consumer, EngineConfig
+    from hybrid_transfer.engine import Consumer
     from hybrid_transfer.plan.planner import Planner
     from hybrid_transfer.plan.types import PlanMode
 
     if rank.consumer is not None:
         rank.consumer.close()
-    config = EngineConfig(mode=PlanMode(mode), staging_bytes=rank.setup.staging_bytes,
-                          num_backend_threads=rank.setup.backend_threads)
+    config = rank.setup.engine_config(mode=PlanMode(mode), staging_bytes=rank.setup.staging_bytes)
     rank.consumer = Consumer(rank.cache, config, engine_id=rank.setup.engine_id)
     rank.consumer.connect(address, timeout_s=timeout_s)
     rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, producer_descriptors)
@@ -282,11 +288,10 @@ def op_ceiling_open(rank: _Rank, slots: int, slot_bytes: int, seed: int):
     import secrets
 
     from hybrid_transfer.bench.ceiling import CeilingEnd, fill_pattern
-    from hybrid_transfer.engine import EngineConfig
 
     s = rank.setup
     name = f"{s.engine_id}-ceiling-{'p' if s.is_prefill else 'c'}{s.tp_rank}-{secrets.token_hex(4)}"
-    rank.ceiling = CeilingEnd(name, EngineConfig(num_backend_threads=s.backend_threads), slots, slot_bytes, rank.cache.device)
+    rank.ceiling = CeilingEnd(name, s.engine_config(), slots, slot_bytes, rank.cache.device)
     if s.is_prefill:
         fill_pattern(rank.ceiling.buffer, seed)
         rank.sync()

@@ -86,7 +86,7 @@ def _progress_delay(api: Any, delay_us: int):
 class XferHandle:
     """One posted READ: the NIXL handle, its peer and its last known state."""
 
-    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error")
+    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error", "checked_in")
 
     def __init__(self, handle: Any, peer: str, num_descriptors: int, num_bytes: int, dlists: tuple = ()):
         self.handle = handle
@@ -96,6 +96,7 @@ class XferHandle:
         self.num_bytes = num_bytes
         self._dlists = dlists
         self.error: EngineError | None = None  # why the state became ERR, when NIXL raised instead of saying
+        self.checked_in = -1  # the agent's check scope that last asked NIXL (one_check_per_handle)
 
     @property
     def is_released(self) -> bool:
@@ -119,16 +120,30 @@ class NixlAgent:
         self._mem_type = "DRAM"
         self._peers: set[str] = set()
         self._live: set[XferHandle] = set()  # created and not yet released: what could still write
+        self._scope = -1  # inside one_check_per_handle: its number; else -1 (every check asks NIXL)
+        self._scopes = 0
         use_thread = config.progress is ProgressPolicy.ON_WITH_DELAY
-        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=["UCX"],
-                                     num_threads=config.num_backend_threads)
+        # No backend yet: UCX's thread-pool parameters depend on the memory registered first (config.py),
+        # and split_batch_size is only reachable through create_backend.
+        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[])
         try:
             with _progress_delay(api, config.progress_delay_us):
                 self._agent = api.nixl_agent(name, conf)
         except self._errors as exc:
             raise EngineError(str(exc), operation="create agent", agent=name) from exc
-        if "UCX" not in self._agent.backends:
+        if "UCX" not in self._agent.get_plugin_list():
             raise EngineError("the UCX backend plugin is not available", operation="create agent", agent=name)
+        self.backend_params: dict[str, str] | None = None  # what the UCX backend was created with
+
+    def _ensure_backend(self, device_memory: bool) -> None:
+        """Create the UCX backend once, with the thread-pool parameters for this memory kind."""
+        if self.backend_params is not None:
+            return
+        params = self.config.backend_params(device_memory)
+        with self._wrap("create UCX backend"):
+            self._agent.create_backend("UCX", params)
+        self.backend_params = params
+        log.debug("agent %s: UCX backend %s", self.name, params or "with NIXL's defaults")
 
     # ---- memory -------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> None:
@@ -139,6 +154,7 @@ class NixlAgent:
         if len(kinds) != 1:
             raise EngineError("regions mix host and device memory", operation="register", agent=self.name)
         self._mem_type = "VRAM" if kinds.pop() else "DRAM"
+        self._ensure_backend(self._mem_type == "VRAM")
         rows = [(r.addr, r.length, r.device_id, "") for r in regions]
         with self._wrap("register"):
             self._reg_descs = self._agent.register_memory(self._agent.get_reg_descs(rows, self._mem_type))
@@ -160,12 +176,14 @@ class NixlAgent:
     @property
     def metadata(self) -> bytes:
         """This agent's full metadata (connection info + registered regions) for its peers."""
+        self._ensure_backend(self._mem_type == "VRAM")
         with self._wrap("get metadata"):
             return self._agent.get_agent_metadata()
 
     # ---- peers --------------------------------------------------------------------
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns the peer's agent name."""
+        self._ensure_backend(self._mem_type == "VRAM")
         with self._wrap("add remote agent"):
             peer = self._agent.add_remote_agent(metadata)
         peer = peer.decode() if isinstance(peer, bytes) else str(peer)
@@ -229,13 +247,25 @@ class NixlAgent:
 
         A NIXL error (the peer disconnected, ...) makes the state ERR with ``xfer.error`` set.
         """
-        if xfer.state is XferState.PROC:
+        if xfer.state is XferState.PROC and (self._scope < 0 or xfer.checked_in != self._scope):
+            xfer.checked_in = self._scope
             try:
                 with self._wrap("check transfer", xfer.peer):
                     xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
             except EngineError as exc:
                 xfer.state, xfer.error = XferState.ERR, exc
         return xfer.state
+
+    @contextmanager
+    def one_check_per_handle(self):
+        """Within this block each READ's state is asked of NIXL at most once (a consumer's poll: its pack
+        reader and its own loop both look at a request's handles). Outside it every check asks."""
+        self._scopes += 1
+        self._scope = self._scopes
+        try:
+            yield
+        finally:
+            self._scope = -1
 
     def release(self, xfer: XferHandle) -> bool:
         """Free a READ's handle; False when NIXL refuses because the READ may still write (try again later)."""
