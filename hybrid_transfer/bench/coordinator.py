@@ -167,7 +167,7 @@ class Coordinator:
         s = self.spec
         per_engine = 4 + (1 if s.verify else 0)  # open, warmup, timed, plan (+ verify)
         per_ceiling = 2 + (1 if s.verify else 0)
-        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v is Variant.CEILING else per_engine
+        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v.plan_mode is None else per_engine
                                                             for v in s.variants)
         return 2 + per_point * len(s.points)
 
@@ -255,6 +255,11 @@ class Coordinator:
             ])
         for proc in self.consumers:
             proc.recv()
+        lengths = sizing.source_bytes(self.spec, max(p.tokens for p in self.spec.points))
+        for d, proc in enumerate(self.consumers):
+            proc.send("copy_open", [(s, n, self.spec.gpu_of(True, s), seeds[s]) for s, n in lengths[d].items()])
+        for proc in self.consumers:
+            proc.recv()
 
     def _close(self) -> None:
         for proc in self.consumers + self.producers:
@@ -278,6 +283,8 @@ class Coordinator:
                 tag = f"p{index}-r{r}-{variant.value}"
                 if variant is Variant.CEILING:
                     rounds[variant].append(self._run_ceiling(tag, lengths))
+                elif variant is Variant.COPY:
+                    rounds[variant].append(self._run_ceiling(tag, lengths, copy=True))
                 else:
                     rounds[variant].append(self._run_engine(tag, point, variant, p_layouts, c_layouts, seeds))
         stats = {v.value: median_round(rs) for v, rs in rounds.items()}
@@ -351,27 +358,29 @@ class Coordinator:
         serves = [p.recv() for p in self.producers]
         return runs, serves
 
-    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]]) -> VariantStats:
+    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]], copy: bool = False) -> VariantStats:
+        """The ceiling's READs, or with ``copy`` the physical limit's torch copies (same slots, same bytes)."""
         s = self.spec
+        op, variant = ("copy", Variant.COPY) if copy else ("ceiling", Variant.CEILING)
         warm = min(s.warmup, s.requests)
         if warm:
-            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths)
+            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths, op)
         if s.verify:
             _all(self.consumers, "poison")
         self._step(f"{tag}: warmed up")
-        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths)
+        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths, op)
         self._step(f"{tag}: timed")
         if s.verify:
             slots_used = min(self.ceiling.slots, s.requests)
             for d, proc in enumerate(self.consumers):
-                proc.send("ceiling_verify", slots_used, lengths[d])
+                proc.send(f"{op}_verify", slots_used, lengths[d])
             for proc in self.consumers:
                 proc.recv()
             self._step(f"{tag}: verified")
-        return dataclasses.replace(summarize(Variant.CEILING.value, runs, serves), verified=s.verify)
+        return dataclasses.replace(summarize(variant.value, runs, serves), verified=s.verify)
 
-    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]]):
-        return self._timed([], "run_ceiling", lambda d: (rids, lengths[d]))
+    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]], op: str = "ceiling"):
+        return self._timed([], f"run_{op}", lambda d: (rids, lengths[d]))
 
 
 def run_bench(spec: BenchSpec, on_step: StepCallback | None = None) -> BenchResult:

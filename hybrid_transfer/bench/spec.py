@@ -29,17 +29,19 @@ class Sweep(enum.Enum):
 
 
 class Variant(enum.Enum):
-    """What a timed phase moves: the engine in one plan mode, or the single-descriptor ceiling."""
+    """What a timed phase moves: the engine in one plan mode, the single-descriptor ceiling, or COPY: a
+    torch device copy of the same bytes inside each decode process (the memory's own limit, no NIXL)."""
 
     COALESCED = "coalesced"
     NAIVE = "naive"
     PACK = "pack"
     AUTO = "auto"
     CEILING = "ceiling"
+    COPY = "copy"
 
     @property
     def plan_mode(self) -> PlanMode | None:
-        return None if self is Variant.CEILING else PlanMode(self.value)
+        return None if self in (Variant.CEILING, Variant.COPY) else PlanMode(self.value)
 
 
 class Point(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -122,9 +124,11 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def variants(self) -> tuple[Variant, ...]:
-        """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling."""
+        """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling, the copy."""
         chosen = Variant(self.mode.value)
-        return (chosen, Variant.CEILING) if chosen is Variant.NAIVE else (chosen, Variant.NAIVE, Variant.CEILING)
+        if chosen is Variant.NAIVE:
+            return (chosen, Variant.CEILING, Variant.COPY)
+        return (chosen, Variant.NAIVE, Variant.CEILING, Variant.COPY)
 
     def round_order(self, round_index: int) -> tuple[Variant, ...]:
         """Variants of one round, rotated each round so no variant always runs first (or last)."""

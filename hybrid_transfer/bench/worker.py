@@ -77,6 +77,7 @@ class _Rank:
         self.consumer: Any = None
         self.planner: Any = None
         self.ceiling: Any = None
+        self.copy: Any = None  # the physical-limit buffers (decode ranks)
         self.freed: dict[str, float] = {}
 
     # ---- helpers ------------------------------------------------------------------
@@ -98,6 +99,7 @@ class _Rank:
             self.ceiling.agent.get_notifs()  # the target of ceiling READs: progress it too
 
     def close(self) -> None:
+        self.copy = None
         for name in ("consumer", "ceiling", "producer"):
             obj = getattr(self, name)
             if obj is not None:
@@ -342,6 +344,53 @@ def op_run_ceiling(rank: _Rank, request_ids, lengths: dict[int, int], concurrenc
             free_slots.append(slot)
             timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(handles), (c1 - c0) / len(finished)))
     return ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0)
+
+
+def op_copy_open(rank: _Rank, sources):
+    """The physical-limit buffers: sources are (rank, bytes per request, GPU index or None, seed)."""
+    import torch
+
+    from hybrid_transfer.bench.ceiling import CopySource
+
+    cpu = rank.setup.device != "cuda"
+    rank.copy = CopySource(rank.ceiling, {s: (n, torch.device("cpu") if cpu else torch.device("cuda", gpu), seed)
+                                          for s, n, gpu, seed in sources})
+    rank.sync()
+
+
+def op_run_copy(rank: _Rank, request_ids, lengths: dict[int, int], concurrency: int, start_at: float):
+    """A decode rank's physical-limit window: per request one torch copy per source, ``concurrency`` deep."""
+    copy = rank.copy
+    queue = collections.deque(request_ids)
+    free_slots = collections.deque(range(copy.ceiling.slots))
+    in_flight: dict[str, tuple[float, float, int, Any]] = {}
+    timings: list[RequestTiming] = []
+    num_bytes = sum(lengths.values())
+    _sleep_until(start_at)
+    cpu0 = time.process_time()
+    while queue or in_flight:
+        if queue and free_slots and len(in_flight) < concurrency:  # one post per round, as in run_engine
+            rid, slot = queue.popleft(), free_slots.popleft()
+            t0 = time.monotonic()
+            end = copy.post(slot, lengths)
+            in_flight[rid] = (t0, time.monotonic(), slot, end)
+        c0 = time.monotonic()
+        finished = [rid for rid, (_, _, _, end) in in_flight.items() if end is None or end.query()]
+        c1 = time.monotonic()
+        if not finished:
+            _wait(rank.setup.poll_sleep_s)
+            continue
+        for rid in finished:
+            t0, t1, slot, _ = in_flight.pop(rid)
+            free_slots.append(slot)
+            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(lengths), (c1 - c0) / len(finished)))
+    return ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0)
+
+
+def op_copy_verify(rank: _Rank, slots_used: int, lengths: dict[int, int]):
+    rank.sync()
+    for slot in range(slots_used):
+        rank.copy.check_slot(slot, lengths)
 
 
 def op_ceiling_verify(rank: _Rank, slots_used: int, lengths: dict[int, int]):
