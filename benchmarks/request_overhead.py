@@ -109,10 +109,10 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
     plan_s = [0.0]
     plan = consumer._plan
 
-    def timed_plan(req):
+    def timed_plan(*args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return plan(req)
+            return plan(*args, **kwargs)
         finally:
             plan_s[0] += time.perf_counter() - t0
 
@@ -179,6 +179,13 @@ def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
                            daemon=True)
     consumer.start()
     c_parent.send(addresses[0])
+
+    def answer(conn, proc):  # a rank that died must not leave this process waiting forever
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
+        return conn.recv()
+
     from hybrid_transfer.verify import make_request
 
     n = 0
@@ -187,13 +194,13 @@ def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
         for _ in range(reps + 1):
             n += 1
             producers[0][1].send((f"req-{n}", remote.block_ids, tokens, None))
-            ticket = producers[0][1].recv()
-            for _, conn in producers[1:]:
+            ticket = answer(producers[0][1], producers[0][0])
+            for proc, conn in producers[1:]:
                 conn.send((f"req-{n}", remote.block_ids, tokens, ticket.nonce))
-                conn.recv()
+                answer(conn, proc)
             c_parent.send(ticket)
-            c_parent.recv()
-    rows = c_parent.recv()
+            answer(c_parent, consumer)
+    rows = answer(c_parent, consumer)
     consumer.join()
     for proc, conn in producers:
         conn.send(None)

@@ -237,8 +237,7 @@ class Copier:
         if gather:  # cheap insurance: after any writes to the cache still queued on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            start.record()
-            keep = self._copy_device(shift, rows_per, num_rows, g, staging, gather)
+            keep = self._copy_device(shift, rows_per, num_rows, g, staging, gather, start)
             end.record()
         return CopyTicket(None, start, end, keep)
 
@@ -249,13 +248,19 @@ class Copier:
         return arena_rows, staging[: num_rows * g].view(dtype).view(num_rows, g // width)
 
     def _copy_device(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
-                     gather: bool) -> tuple:
+                     gather: bool, start) -> tuple:
         """One index_select or index_copy_ kernel over int rows; the index is made on the device from the
-        cached row -> piece map of this shape and the per-piece shifts (the only per-request upload)."""
+        cached row -> piece map of this shape and the per-piece shifts (the only per-request upload).
+
+        ``start`` is recorded once the host's part is done (views, cache lookup): the event pair times
+        the device's work, upload and index included, not the host's launch path.
+        """
         arena_rows, stage_rows = self._rows(g, staging, num_rows)
         piece_of_row = self.index_cache.piece_of_row(rows_per, num_rows)
+        ramp = self.index_cache.arange(num_rows)
+        start.record()
         shift_t = self._pinned.upload(shift, self.device, self._stream)
-        index = torch.add(self.index_cache.arange(num_rows), shift_t.index_select(0, piece_of_row))
+        index = torch.add(ramp, shift_t.index_select(0, piece_of_row))
         if gather:
             torch.index_select(arena_rows, 0, index, out=stage_rows)
         else:
