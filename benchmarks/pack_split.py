@@ -140,7 +140,16 @@ def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, e
                     t += ticket.elapsed_s
                 times.append(t)
             nbytes = sum(int(length.sum()) for _, _, length, _ in last_scatters)
+            # Queued back to back (as requests in flight are): first start -> last end, per scatter.
+            tickets = [scatter(staging, dst, length) for _ in range(payload)
+                       for staging, dst, length, _ in last_scatters]
+            tickets[-1].wait()
+            for t in tickets:
+                t.wait()
+            queued_s = tickets[0]._start.elapsed_time(tickets[-1]._end) / 1e3 / payload if args.device == "cuda" \
+                else sum(t.elapsed_s for t in tickets) / payload
             conn.send({"bytes": nbytes, "ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                       "queued_ms": 1e3 * queued_s,
                        "index_cache": [copier.index_cache.hits, copier.index_cache.misses]
                        if copier.index_cache is not None else None})
         elif op == "read":
@@ -252,6 +261,8 @@ def main() -> int:
         report = _report(args, runs)
         report["alone"] = {"bytes_per_rank": [a["bytes"] for a in alone], "ms": [a["ms"] for a in alone],
                            "gbps": [a["bytes"] / a["ms"] / 1e6 for a in alone],
+                           "queued_ms": [a["queued_ms"] for a in alone],
+                           "queued_gbps": [a["bytes"] / a["queued_ms"] / 1e6 for a in alone],
                            "index_cache_hits_misses": [a["index_cache"] for a in alone]}
     finally:
         for c in p_conns + d_conns:
@@ -311,6 +322,9 @@ def _print(r: dict) -> None:
         print(f"  scatter alone (each decode rank by itself, median of --alone-reps): {min(gb):,.0f}-{max(gb):,.0f} GB/s "
               f"({min(a['ms']):.3f}-{max(a['ms']):.3f} ms for {max(a['bytes_per_rank']):,} B); "
               f"index cache hits/misses {a['index_cache_hits_misses'][0]}")
+        q = a["queued_gbps"]
+        print(f"  scatter alone, --alone-reps queued back to back (first start -> last end): {min(q):,.0f}-{max(q):,.0f} "
+              f"GB/s ({min(a['queued_ms']):.3f}-{max(a['queued_ms']):.3f} ms per scatter)")
 
 
 if __name__ == "__main__":

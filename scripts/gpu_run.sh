@@ -51,6 +51,14 @@ for stage in "$@"; do
         threads)  # UCX thread-pool settings against direct-path GB/s (EngineConfig's GPU defaults)
             python3 benchmarks/ucx_threads.py --device cuda --case p1d1 --frag 0,1 --json "$OUT/ucx_threads_p1d1.json" 2>&1 \
                 | grep -E '^p1d1' ;;
+        threads-bench)  # the direct rows again with other UCX thread-pool settings (THREADS="T:S ...")
+            for ts in ${THREADS:-0:1 8:16}; do
+                t=${ts%%:*}; sp=${ts##*:}
+                SWEEP="--fragmentation 1" bench "threads_${t}_${sp}_397b_p2d8" $BIG --prefill-tp 2 --decode-tp 8 \
+                    --mode coalesced --backend-threads "$t" --split-batch-size "$sp"
+                bench "threads_${t}_${sp}_397b_p1d1" $BIG --prefill-tp 1 --decode-tp 1 --mode coalesced \
+                    --backend-threads "$t" --split-batch-size "$sp"
+            done ;;
         direct)  # issue 13's rows: the direct path (and pack for P2 -> D8) beside naive, the ceiling and the copy
             bench direct_397b_p1d1_coalesced $BIG --prefill-tp 1 --decode-tp 1 --mode coalesced
             SWEEP="--fragmentation 1" bench direct_397b_p2d8_coalesced $BIG --prefill-tp 2 --decode-tp 8 --mode coalesced

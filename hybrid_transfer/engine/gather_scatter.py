@@ -172,21 +172,26 @@ class _PinnedRing:
     """Pinned host buffers for small uploads that must not wait for the stream (pageable copies would)."""
 
     def __init__(self, slots: int = _PINNED_SLOTS):
-        self._slots: list[list] = [[torch.empty(0, dtype=torch.int64), None] for _ in range(slots)]
+        self._slots: list[list] = [[torch.empty(0, dtype=torch.int64), None, 0] for _ in range(slots)]  # buf, event, n
         self._next = 0
 
-    def upload(self, values: np.ndarray, device: torch.device, stream) -> torch.Tensor:
-        """``values`` (int64) on the device, copied on ``stream`` (the current one) from a pinned slot."""
+    def stage(self, values: np.ndarray) -> list:
+        """Copy ``values`` (int64) into the next free pinned slot (host work only); pass the slot to ``upload``."""
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
         if slot[1] is not None:
             slot[1].synchronize()  # the slot's last upload; long finished unless uploads outrun the stream
+            slot[1] = None
         n = values.shape[0]
         if slot[0].shape[0] < n:
             slot[0] = torch.empty(max(n, 2 * slot[0].shape[0]), dtype=torch.int64, pin_memory=True)
-        host = slot[0][:n]
-        host.numpy()[:] = values
-        out = host.to(device, non_blocking=True)
+        slot[0][:n].numpy()[:] = values
+        slot[2] = n
+        return slot
+
+    def upload(self, slot: list, device: torch.device, stream) -> torch.Tensor:
+        """The staged values on the device, copied on ``stream`` (the current one) without waiting for it."""
+        out = slot[0][: slot[2]].to(device, non_blocking=True)
         slot[1] = torch.cuda.Event()
         slot[1].record(stream)
         return out
@@ -258,8 +263,9 @@ class Copier:
         arena_rows, stage_rows = self._rows(g, staging, num_rows)
         piece_of_row = self.index_cache.piece_of_row(rows_per, num_rows)
         ramp = self.index_cache.arange(num_rows)
+        slot = self._pinned.stage(shift)
         start.record()
-        shift_t = self._pinned.upload(shift, self.device, self._stream)
+        shift_t = self._pinned.upload(slot, self.device, self._stream)
         index = torch.add(ramp, shift_t.index_select(0, piece_of_row))
         if gather:
             torch.index_select(arena_rows, 0, index, out=stage_rows)
