@@ -26,10 +26,24 @@ general and faster than per-request prepared lists, so it is the default.
 UCX thread-pool engine (``num_backend_threads``, ``split_batch_size``): on GPU caches every
 descriptor costs UCX's ``cuda_ipc`` about 6 us of CPU work in one worker (docs/benchmarks.md), so
 a request of 100-750 descriptors is CPU-bound. UCX's thread pool splits a request into tasks of
-``split_batch_size`` descriptors over ``num_threads`` threads. Defaults, measured on one H200 with
-``benchmarks/ucx_threads.py`` (docs/benchmarks.md, "UCX thread pool"): GPU_BACKEND_DEFAULTS. On
-CPU hosts (DRAM, ``cma``) the copy itself runs in the posting thread and the 2-core hosts have no
-cores to spare, so host caches keep one worker (HOST_BACKEND_DEFAULTS, the CPU tables' setting).
+``split_batch_size`` descriptors over ``num_threads`` threads. Measured on one H200 (16 cores),
+qwen3.5-397b-a17b, 8192 tokens, GB/s of the direct (coalesced) path (docs/benchmarks.md, "Issue 13"):
+
+  threads / split   P1->D1 frag 0 / 1, one rank     P1->D1 frag 0 / 1     P2->D8 frag 1 (8 ranks
+                    (ucx_threads.py, 16 requests)   (bench, 8 requests)   on one GPU, bench)
+  0 (one worker)    314 / 331                       372 / 218             76   (ovh 15.4 ms)
+  2 / 16            432 / 434
+  4 / 8             492 / 532
+  4 / 16            586 / 466                       391 / 368             112  (ovh 7.3 ms)
+  4 / 32            612 / 402
+  8 / 16            604 / 522                       310 / 355             86   (ovh 11.7 ms)
+  8 / 32            522 / 595
+
+With one decode rank 4-8 threads and splits of 16-32 are within round-to-round noise; with eight
+decode ranks sharing 16 cores, 8 threads each oversubscribe them (decode CPU 1.63 s against 1.20 s)
+and lose. So GPU caches get 4 threads and splits of 16 (GPU_BACKEND_DEFAULTS). On CPU hosts (DRAM,
+``cma``) the copy itself runs in the posting thread and the 2-core hosts have no cores to spare,
+so host caches keep one worker (HOST_BACKEND_DEFAULTS, the setting of the CPU tables).
 
 Pack mode (issue 6): producers gather each held request into a staging pool at hold() time, in
 a canonical order (plan/stage_layout.py) that makes every consumer rank's share at most two
