@@ -5,9 +5,9 @@ separate allocations, so a list that touches all of them would need a kernel per
 ``Arena`` aliases one uint8 tensor over the whole address span of the cache's tensors (zero-copy, via
 the array interface), and every piece becomes rows of that one tensor. Rows are ``g`` bytes, g the
 largest common divisor of every piece's start (relative to the arena), length and the staging
-pointer, viewed as the widest integer type dividing g (int64 whenever g allows: the element type
-decides the speed, docs/benchmarks.md); the row index (one int64 per row) is built from the piece
-arrays, then
+pointer, viewed as the widest element type dividing g (int64, on CUDA 16-byte elements, whenever g
+allows: the element type decides the speed, docs/benchmarks.md); the row index (one int64 per row)
+is built from the piece arrays, then
 
   gather:  index_select(arena_rows, 0, rows, out=staging_rows)   (staging is dense, in piece order)
   scatter: arena_rows.index_copy_(0, rows, staging_rows)          (CPU: the same as a numpy row assignment)
@@ -37,6 +37,10 @@ import torch
 from hybrid_transfer.errors import PlanError, RangeError
 
 _ROW_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+# CUDA only: rows of 16-byte elements halve the elements an index kernel moves (rows are often only 256 B:
+# the gcd of a 397B rank's pieces). Index kernels load and store elements without arithmetic, so every bit
+# pattern (NaN payloads included) survives; tests/engine/test_gather_scatter.py checks it bitwise on CUDA.
+_CUDA_ROW_DTYPES = ((16, torch.complex128),) + _ROW_DTYPES
 INDEX_CACHE_SHAPES = 16  # row -> piece maps kept per copier (a few MB each for a 397B request)
 _PINNED_SLOTS = 8  # per-request shift uploads in flight per copier
 
@@ -229,7 +233,6 @@ class Copier:
             return CopyTicket(0.0)
         rel = addr - self.arena.origin
         g = int(np.gcd.reduce(np.concatenate((rel, length, [staging.data_ptr() - self.arena.origin]))))
-        width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
         first_row, rows_per = rel // g, length // g
         # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
         shift = first_row - (np.cumsum(rows_per) - rows_per)
@@ -247,8 +250,9 @@ class Copier:
         return CopyTicket(None, start, end, keep)
 
     def _rows(self, g: int, staging: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Arena and staging as rows of g bytes, in the widest integer type dividing g."""
-        width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
+        """Arena and staging as rows of g bytes, in the widest element type dividing g (and the origin)."""
+        dtypes = _CUDA_ROW_DTYPES if self.device.type == "cuda" else _ROW_DTYPES
+        width, dtype = next((w, d) for w, d in dtypes if g % w == 0 and self.arena.origin % w == 0)
         arena_rows = self.arena.bytes[: (self.arena.nbytes // g) * g].view(dtype).view(-1, g // width)
         return arena_rows, staging[: num_rows * g].view(dtype).view(num_rows, g // width)
 

@@ -161,3 +161,20 @@ def test_cuda_scatters_queued_back_to_back_land_in_stream_order():
         back = torch.zeros(total, dtype=torch.uint8, device="cuda")
         copier.gather(requests[k % 2], lengths, back).wait()
         assert bool((back == k).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
+def test_cuda_wide_rows_keep_every_bit_pattern():
+    """16-byte rows are moved as complex128: NaN payloads (signalling and quiet) and -0.0 come through bitwise."""
+    cache, requests, lengths = _shifted_requests("cuda")
+    total = int(lengths.sum())
+    words = np.random.default_rng(9).integers(0, 2**63, total // 8, dtype=np.int64)
+    specials = np.array([0x7FF0000000000001, 0x7FF8DEADBEEF0001, -0x0010000000000001, -0x8000000000000000,
+                         0x7FF0000000000000], dtype=np.int64)  # sNaN, qNaN with payload, NaN, -0.0, inf
+    words[: specials.shape[0] * 50] = np.tile(specials, 50)
+    staging = torch.from_numpy(words.view(np.uint8).copy()).cuda()
+    copier = Copier(Arena(cache))
+    copier.scatter(staging, requests[0], lengths).wait()
+    back = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    copier.gather(requests[0], lengths, back).wait()
+    assert torch.equal(back, staging)
