@@ -35,12 +35,12 @@ def _producer(conn, preset: str, num_blocks: int) -> None:
     from hybrid_transfer.cache import HybridCache
     from hybrid_transfer.engine.agent import NixlAgent
     from hybrid_transfer.engine.config import EngineConfig, ProgressPolicy
-    from hybrid_transfer.plan.rank import describe_rank
+    from hybrid_transfer.planner_input import describe_cache
 
     cache = HybridCache.allocate(_geometry(preset), num_blocks)
     agent = NixlAgent(f"prep-producer-{os.getpid()}", EngineConfig(progress=ProgressPolicy.OFF))
     agent.register(cache.regions)
-    conn.send((agent.metadata, describe_rank(cache.geometry, [r.addr for r in cache.regions], num_blocks)))
+    conn.send((agent.metadata, describe_cache(cache)))
     while not any(b"stop" in m for m in agent.get_notifs().values()):
         time.sleep(0.005)
     agent.close()
@@ -65,8 +65,8 @@ def _consumer(conn, preset: str, num_blocks: int, num_tokens: int, reps: int) ->
     from hybrid_transfer.engine.agent import NixlAgent
     from hybrid_transfer.engine.config import EngineConfig, ProgressPolicy
     from hybrid_transfer.plan.planner import Planner
-    from hybrid_transfer.plan.rank import describe_rank
     from hybrid_transfer.plan.types import PlanMode
+    from hybrid_transfer.planner_input import describe_cache
     from hybrid_transfer.verify import make_request
 
     geometry = _geometry(preset)
@@ -75,7 +75,7 @@ def _consumer(conn, preset: str, num_blocks: int, num_tokens: int, reps: int) ->
     agent.register(cache.regions)
     metadata, remote_desc = conn.recv()
     peer = agent.add_remote(metadata)
-    local_desc = describe_rank(geometry, [r.addr for r in cache.regions], num_blocks)
+    local_desc = describe_cache(cache)
     planner = Planner(geometry.model, local_desc, [remote_desc])
     nixl = agent._agent
     rows = []

@@ -30,9 +30,10 @@ print("tensor of layers 0..7:", [g.tensor_of(i) for i in range(8)])
 
 # 3. A real cache: 15 shared tensors of 2 pages each; typed views per layer alias the same pages.
 cache = HybridCache.allocate(g, num_blocks=2)
-kv = cache.kv(3)  # attention layer 3 lives on tensor 0
+kv = cache.kv(3)  # attention layer 3 lives on tensor 0; interleaved: [kernel blocks, heads, tokens, K|V]
 conv, ssm = cache.conv(0), cache.ssm(0)  # GDN layer 0 lives on tensor 0 too
-print("kv(3)", tuple(kv.shape), kv.dtype, "| conv(0)", tuple(conv.shape), "| ssm(0)", tuple(ssm.shape))
+print("kv(3)", tuple(kv.shape), kv.dtype, "| k(3)", tuple(cache.k(3).shape), "| conv(0)", tuple(conv.shape),
+      "| ssm(0)", tuple(ssm.shape))
 print(f"kernel blocks per logical block: {g.kernel_ratio}")
 
 # Write a state through the GDN view and find it at the byte range the cache reports.

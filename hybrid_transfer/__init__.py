@@ -4,13 +4,14 @@ Layers, imports pointing down:
   layout/       pure shapes and geometry of the paged hybrid cache (DESIGN 2)
   cache         typed torch views over a rank's real pages
   plan/         pure numpy planning of reads between ranks (DESIGN 3)
+  planner_input a cache as the planner sees it: RankDescriptor and MemorySpace
   engine/       the only code that imports NIXL or ZeroMQ (DESIGN 4)
   integrations/ the only code that imports vLLM
-  bench/, cli/  the microbenchmark and the command line
+  bench/, doctor/, cli/  the microbenchmark, the host checks (NIXL through engine's agent), the command line
 """
 
 from hybrid_transfer.errors import HybridTransferError
-from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset
+from hybrid_transfer.layout import CacheOptions, RankGeometry, kernel_block_ids, load_preset
 
 # Imported on first use: they pull in torch, ZeroMQ and (when used) NIXL, which pure layout users skip.
 _LAZY = {
@@ -19,9 +20,12 @@ _LAZY = {
     "EngineConfig": "hybrid_transfer.engine",
     "Producer": "hybrid_transfer.engine",
     "Ticket": "hybrid_transfer.engine",
+    "quiet_nixl_logging": "hybrid_transfer.engine",
+    "describe_cache": "hybrid_transfer.planner_input",
+    "memory_space": "hybrid_transfer.planner_input",
 }
 
-__all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "load_preset", *_LAZY]
+__all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "kernel_block_ids", "load_preset", *_LAZY]
 __version__ = "0.1.0"
 
 

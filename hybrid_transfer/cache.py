@@ -1,8 +1,9 @@
 """A rank's paged hybrid cache over real memory, with typed views per model layer.
 
-The shared tensors are raw pages (DESIGN 2.3): an attention layer sees each
-page as ``ratio`` consecutive [K|V] kernel blocks in HND, a GDN layer sees the
-same page as [conv | ssm | padding]. The views here alias those bytes exactly,
+The shared tensors are raw pages (docs/layout.md): an attention layer sees each
+page as ``ratio`` consecutive kernel blocks, each ``[heads][tokens][K|V]``
+(interleaved) or ``[K | V]`` halves of ``[heads][tokens][head_dim]`` (split);
+a GDN layer sees the same page as [conv | ssm | padding]. The views here alias those bytes exactly,
 so what a test writes through a view is what NIXL reads from the region.
 """
 
@@ -14,7 +15,7 @@ import msgspec
 import torch
 
 from hybrid_transfer.errors import CacheShapeError, ConfigError
-from hybrid_transfer.layout.geometry import ConvLayout, ConvSegment, RankGeometry, SsmOrder
+from hybrid_transfer.layout.geometry import ConvLayout, ConvSegment, KVLayout, RankGeometry, SsmOrder
 from hybrid_transfer.layout.model import DType, LayerKind
 
 TORCH_DTYPES = {
@@ -115,12 +116,38 @@ class HybridCache:
         return self.raw(self.geometry.tensor_of(layer))
 
     def kv(self, layer: int) -> torch.Tensor:
-        """[num_kernel_blocks, 2, heads_local, kernel_block_size, head_dim]; index 1 is K (0) or V (1)."""
+        """The layout's natural view of one attention layer's kernel blocks.
+
+        interleaved: ``[num_kernel_blocks, heads_local, kernel_block_size, 2 * head_dim]`` (K then V
+        of a token side by side; vLLM 0.33's flash-attn cache shape).
+        split: ``[num_kernel_blocks, 2, heads_local, kernel_block_size, head_dim]``; index 1 is K (0) or V (1).
+        Use ``k`` / ``v`` for code that must not depend on the layout.
+        """
         g = self.geometry
         raw = self._layer_raw(layer, LayerKind.ATTENTION)
         typed = raw.view(TORCH_DTYPES[g.kv_dtype])
-        return typed.view(self.num_blocks * g.kernel_ratio, 2, g.num_kv_heads_local, g.kernel_block_size,
-                          g.model.head_dim)
+        nkb, h, kbs, hd = self.num_blocks * g.kernel_ratio, g.num_kv_heads_local, g.kernel_block_size, g.model.head_dim
+        if g.kv_layout is KVLayout.INTERLEAVED:
+            return typed.view(nkb, h, kbs, 2 * hd)
+        return typed.view(nkb, 2, h, kbs, hd)
+
+    def k(self, layer: int) -> torch.Tensor:
+        """K of one attention layer, ``[num_kernel_blocks, heads_local, kernel_block_size, head_dim]``, aliasing the cache.
+
+        Strided in interleaved (every token's V sits between two K rows); writes land in the cache.
+        """
+        return self._half(layer, 0)
+
+    def v(self, layer: int) -> torch.Tensor:
+        """V of one attention layer, same shape and aliasing as ``k``."""
+        return self._half(layer, 1)
+
+    def _half(self, layer: int, half: int) -> torch.Tensor:
+        hd = self.geometry.model.head_dim
+        kv = self.kv(layer)
+        if self.geometry.kv_layout is KVLayout.INTERLEAVED:
+            return kv[..., half * hd : (half + 1) * hd]
+        return kv[:, half]
 
     def conv(self, layer: int) -> torch.Tensor:
         """[num_blocks, conv_dim_local, w-1], channels [Q_r | K_r | V_r]; a transposed view in SD layout."""
@@ -152,9 +179,15 @@ class HybridCache:
                               value=block_id)
 
     def kv_range(self, layer: int, block_id: int, kernel_index: int, half: int) -> tuple[int, int]:
-        """(addr, length) of the K (half 0) or V (half 1) half of one kernel block of a logical block."""
+        """(addr, length) of the K (half 0) or V (half 1) half of one kernel block of a logical block.
+
+        Split layout only: in interleaved a half is not one byte range (use ``kernel_block_range``).
+        """
         self._check_block(block_id)
         g = self.geometry
+        if g.kv_layout is not KVLayout.SPLIT:
+            raise ConfigError("a K or V half is one byte range only in the split layout", field="kv_layout",
+                              value=g.kv_layout.value)
         # Unchecked, an out-of-range kernel index or half silently names bytes of another block.
         if not 0 <= kernel_index < g.kernel_ratio:
             raise ConfigError(f"kernel_index={kernel_index} out of range [0, {g.kernel_ratio})",
@@ -163,6 +196,16 @@ class HybridCache:
             raise ConfigError(f"half={half} must be 0 (K) or 1 (V)", field="half", value=half)
         base = self._layer_raw(layer, LayerKind.ATTENTION).data_ptr()
         return base + g.kv_offset(block_id, kernel_index, half), g.kv_half_bytes
+
+    def kernel_block_range(self, layer: int, block_id: int, kernel_index: int) -> tuple[int, int]:
+        """(addr, length) of one whole kernel block (K and V of every local head), in either layout."""
+        self._check_block(block_id)
+        g = self.geometry
+        if not 0 <= kernel_index < g.kernel_ratio:
+            raise ConfigError(f"kernel_index={kernel_index} out of range [0, {g.kernel_ratio})",
+                              field="kernel_index", value=kernel_index)
+        base = self._layer_raw(layer, LayerKind.ATTENTION).data_ptr()
+        return base + g.kv_offset(block_id, kernel_index, 0), g.kernel_block_bytes
 
     def conv_range(self, layer: int, block_id: int, segment: ConvSegment) -> tuple[int, int]:
         """(addr, length) of the Q, K or V conv segment of a state block (DS layout)."""

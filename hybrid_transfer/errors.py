@@ -319,3 +319,54 @@ class BlockBusyError(HybridTransferError, ValueError):
         self.request_id = request_id
         self.block_ids = tuple(block_ids)
         self.owners = tuple(owners)
+
+
+# ---- embedding in a serving engine: tickets issued by its scheduler (issue 12) ---------------
+
+
+class EngineCardError(ConfigError):
+    """The per-rank cards of one producer engine are incomplete or disagree (``ranks``: the ranks involved)."""
+
+    def __init__(self, message: str, *, field: str | None = None, value: Any = None, ranks: Sequence[int] = ()):
+        super().__init__(message, field=field, value=value)
+        self.ranks = tuple(ranks)
+
+
+class TicketMismatchError(TicketError):
+    """A producer rank's own view disagrees with the ticket it is asked to honour; nothing was pinned.
+
+    ``differences`` lists (field, this rank's value, the ticket's value) for every disagreement.
+    """
+
+    def __init__(self, *, request_id: str, differences: Sequence[tuple[str, Any, Any]]):
+        diffs = tuple(differences)
+        parts = "; ".join(f"{name}: rank={ours!r} ticket={theirs!r}" for name, ours, theirs in diffs)
+        super().__init__(f"ticket disagrees with this producer rank: {parts}", request_id=request_id,
+                         differences=diffs)
+
+
+class TicketParamsError(WireDecodeError):
+    """A ticket's JSON form (``kv_transfer_params``) with a missing, unknown or wrongly typed ``field``."""
+
+    def __init__(self, message: str, *, field: str, value: Any = None):
+        super().__init__(f"ticket params field {field!r}: {message}", kind="ticket")
+        self.field = field
+        self.value = value
+
+
+class EngineSpecMismatch(ConfigError):
+    """A serving engine's live cache disagrees with the model registry (layout/engine_spec.py).
+
+    ``differences`` lists (field, the engine's value, the registry's value) for every disagreement;
+    ``fields`` their names.
+    """
+
+    def __init__(self, differences: Sequence[tuple[str, Any, Any]]):
+        self.differences = tuple(differences)
+        parts = "; ".join(f"{name}: engine={eng!r} registry={reg!r}" for name, eng, reg in self.differences)
+        super().__init__(f"the engine's cache disagrees with the model registry: {parts}",
+                         field=self.differences[0][0] if self.differences else None)
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.differences)

@@ -272,34 +272,40 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 def _write_attention(cache: HybridCache, layer: int, block_ids: Sequence[int], num_tokens: int, seed: int,
                      poison_byte: int) -> None:
-    """Pattern for request tokens [0, num_tokens) of one layer, token t at block t // B, position t % B."""
+    """Pattern for request tokens [0, num_tokens) of one layer, token t at block t // B, position t % B.
+
+    Written through the layout-free ``k`` / ``v`` views, so the oracle is the same for every KV layout.
+    """
     g = cache.geometry
     bs, kbs, ratio = g.block_size, g.kernel_block_size, g.kernel_ratio
     heads, hd, item = g.kv_heads, g.model.head_dim, g.kv_itemsize
     nh = len(heads)
-    kv = _int_view(cache.kv(layer)).view(cache.num_blocks, ratio, 2, nh, kbs, hd)
-    device = kv.device
+    halves = [_int_view(cache.k(layer)).view(cache.num_blocks, ratio, nh, kbs, hd),
+              _int_view(cache.v(layer)).view(cache.num_blocks, ratio, nh, kbs, hd)]
+    device = halves[0].device
     num_full, rem = divmod(num_tokens, bs)
-    keys = _kv_head_keys(seed, layer, heads, device).view(1, 1, 2, nh, 1)
+    keys = _kv_head_keys(seed, layer, heads, device).view(2, 1, 1, nh, 1)
     step = max(1, _CHUNK_ELEMS // (2 * nh * bs * hd))
     for i0 in range(0, num_full, step):
         i1 = min(num_full, i0 + step)
-        # Rows straight in page order [block, kernel block, K/V, head, token]: no permuted copy afterwards.
-        tokens = torch.arange(i0 * bs, i1 * bs, dtype=torch.int64, device=device).view(i1 - i0, ratio, 1, 1, kbs)
+        # Rows in page order [K/V, block, kernel block, head, token]: no permuted copy afterwards.
+        tokens = torch.arange(i0 * bs, i1 * bs, dtype=torch.int64, device=device).view(i1 - i0, ratio, 1, kbs)
         pat = _cells(_mix(keys + tokens), hd, item, poison_byte)
         ids = block_ids[i0:i1]
-        if list(ids) == list(range(ids[0], ids[0] + len(ids))):
-            kv[ids[0] : ids[0] + len(ids)] = pat
-        else:
-            kv[torch.tensor(ids, dtype=torch.int64, device=device)] = pat
+        for half, view in enumerate(halves):
+            if list(ids) == list(range(ids[0], ids[0] + len(ids))):
+                view[ids[0] : ids[0] + len(ids)] = pat[half]
+            else:
+                view[torch.tensor(ids, dtype=torch.int64, device=device)] = pat[half]
     if rem:
-        page = kv[block_ids[num_full]]  # [ratio, 2, heads, kbs, head_dim]
         pat = kv_pattern(seed, layer, heads, range(num_full * bs, num_tokens), hd, item, poison_byte, device)
         whole, part = divmod(rem, kbs)
-        if whole:
-            page[:whole] = pat[:, :, : whole * kbs].reshape(2, nh, whole, kbs, hd).permute(2, 0, 1, 3, 4)
-        if part:
-            page[whole, :, :, :part] = pat[:, :, whole * kbs :]
+        for half, view in enumerate(halves):
+            page = view[block_ids[num_full]]  # [ratio, heads, kbs, head_dim]
+            if whole:
+                page[:whole] = pat[half, :, : whole * kbs].reshape(nh, whole, kbs, hd).transpose(0, 1)
+            if part:
+                page[whole, :, :part] = pat[half, :, whole * kbs :]
 
 
 def _write_state(cache: HybridCache, layer: int, block_id: int, seed: int, poison_byte: int) -> None:
@@ -381,14 +387,42 @@ def expected_destination(cache_like: HybridCache, request: RequestLayout, seed: 
     return expected_destination_many(cache_like, [(request, seed)], poison_byte)
 
 
+def _copy_attention_tails(dst: HybridCache, src: HybridCache, requests: Sequence[RequestLayout]) -> None:
+    """Copy, from ``src`` into ``dst``, the unused tail of each request's last attention page (tokens n..page end)."""
+    g = dst.geometry
+    bs, kbs, ratio = g.block_size, g.kernel_block_size, g.kernel_ratio
+    for request in requests:
+        n = request.num_tokens
+        need = g.num_blocks_for_tokens(n)
+        first = n - (need - 1) * bs if need else bs  # first tail position inside the last page
+        if first >= bs:
+            continue
+        for group, ids in zip(g.tensor_map.groups, request.block_ids, strict=True):
+            if group.kind is not LayerKind.ATTENTION:
+                continue
+            block = ids[need - 1]
+            for layer in group.layers:
+                for half in (0, 1):
+                    view_d, view_s = (_int_view(c.k(layer) if half == 0 else c.v(layer)).view(
+                        c.num_blocks, ratio, g.num_kv_heads_local, kbs, g.model.head_dim) for c in (dst, src))
+                    for kidx in range(first // kbs, ratio):
+                        start = max(first - kidx * kbs, 0)
+                        view_d[block, kidx, :, start:] = view_s[block, kidx, :, start:]
+
+
 def check_destination_many(cache: HybridCache, requests: Sequence[tuple[RequestLayout, int]],
-                           poison_byte: int = POISON_BYTE) -> None:
+                           poison_byte: int = POISON_BYTE, *, skip_attention_tails: bool = False) -> None:
     """Compare every byte of ``cache`` with expected_destination_many.
+
+    ``skip_attention_tails``: ignore the unused tail of each request's last attention page. Only
+    for naive plans, which move whole pages like vLLM; every other mode must leave it poison.
 
     Raises:
         VerificationError: some byte differs; it names the first one, decoded, and counts them all.
     """
     expected = expected_destination_many(cache, requests, poison_byte)
+    if skip_attention_tails:
+        _copy_attention_tails(HybridCache.wrap(cache.geometry, expected), cache, [r for r, _ in requests])
     first: tuple[int, int] | None = None
     num_bad = 0
     for index, (actual, want) in enumerate(zip(cache.tensors, expected, strict=True)):
@@ -411,9 +445,10 @@ def check_destination_many(cache: HybridCache, requests: Sequence[tuple[RequestL
     )
 
 
-def check_destination(cache: HybridCache, request: RequestLayout, seed: int, poison_byte: int = POISON_BYTE) -> None:
+def check_destination(cache: HybridCache, request: RequestLayout, seed: int, poison_byte: int = POISON_BYTE, *,
+                      skip_attention_tails: bool = False) -> None:
     """check_destination_many for one request."""
-    check_destination_many(cache, [(request, seed)], poison_byte)
+    check_destination_many(cache, [(request, seed)], poison_byte, skip_attention_tails=skip_attention_tails)
 
 
 # ---- decoding a byte for error messages -------------------------------------------
@@ -436,9 +471,14 @@ def describe_byte(geometry: RankGeometry, requests: Sequence[RequestLayout], ten
 
 def _describe_kv(g: RankGeometry, in_page: int, list_index: int, num_tokens: int) -> str:
     kernel, rest = divmod(in_page, g.kernel_block_bytes)
-    half, rest = divmod(rest, g.kv_half_bytes)
-    slot, rest = divmod(rest, g.kernel_block_size * g.head_token_bytes)
-    tok, rest = divmod(rest, g.head_token_bytes)
+    if g.is_interleaved:
+        slot, rest = divmod(rest, g.kv_head_stride)
+        tok, rest = divmod(rest, g.kv_token_stride)
+        half, rest = divmod(rest, g.head_token_bytes)
+    else:
+        half, rest = divmod(rest, g.kv_half_bytes)
+        slot, rest = divmod(rest, g.kv_head_stride)
+        tok, rest = divmod(rest, g.kv_token_stride)
     elem, byte = divmod(rest, g.kv_itemsize)
     token = list_index * g.block_size + kernel * g.kernel_block_size + tok
     state = "valid" if token < num_tokens else f"tail, past num_tokens={num_tokens}"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up .venv with the package (editable) and its test and bench extras. Idempotent: a second run
+# Set up .venv with the package (editable) and its test, bench and docs extras. Idempotent: a second run
 # with an unchanged pyproject.toml installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,7 +28,7 @@ fi
 stamp="$venv/.hybrid-transfer-setup"
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-    echo "setup: installing hybrid-transfer[test,bench] (editable)" >&2
-    pip_install -e '.[test,bench]'
+    echo "setup: installing hybrid-transfer[test,bench,docs] (editable)" >&2
+    pip_install -e '.[test,bench,docs]'
     echo "$want" > "$stamp"
 fi

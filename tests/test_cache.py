@@ -17,6 +17,7 @@ from hybrid_transfer.layout import (
     ConvLayout,
     ConvSegment,
     DType,
+    KVLayout,
     LayerKind,
     RankGeometry,
     SsmOrder,
@@ -25,6 +26,8 @@ from hybrid_transfer.layout import (
 )
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+SPLIT = KVLayout.SPLIT
+INTERLEAVED = KVLayout.INTERLEAVED
 
 
 # ---- helpers ----------------------------------------------------------------------------------------
@@ -122,9 +125,18 @@ def check_every_range(cache: HybridCache, gen: torch.Generator, layers=None, blo
         for b in blocks:
             if g.model.layer_kinds[layer] is LayerKind.ATTENTION:
                 for k in kernels:
-                    for half in (0, 1):
-                        view = cache.kv(layer)[b * g.kernel_ratio + k, half]
-                        check_alias(cache, view, *cache.kv_range(layer, b, k, half), gen, expected)
+                    kb = b * g.kernel_ratio + k
+                    check_alias(cache, cache.kv(layer)[kb], *cache.kernel_block_range(layer, b, k), gen, expected)
+                    if g.kv_layout is SPLIT:
+                        for half in (0, 1):
+                            view = cache.kv(layer)[kb, half]
+                            check_alias(cache, view, *cache.kv_range(layer, b, k, half), gen, expected)
+                    else:
+                        # A head's tokens, K and V together, are one byte range.
+                        base = cache.raw(g.tensor_of(layer)).data_ptr()
+                        for slot in range(g.num_kv_heads_local):
+                            check_alias(cache, cache.kv(layer)[kb, slot], base + g.kv_offset(b, k, 0, slot),
+                                        g.kv_head_stride, gen, expected)
             else:
                 for seg in ConvSegment:
                     view = conv_segment(cache, layer, b, seg)
@@ -147,11 +159,13 @@ def test_allocate_regions(tiny_model):
     assert all(int(t.abs().sum()) == 0 for t in cache.tensors)  # zeroed
 
 
-def test_view_shapes_and_dtypes_397b_tp8():
-    g = RankGeometry(load_preset("qwen3.5-397b-a17b"), 8, 3, CacheOptions(kernel_block_size=16))
+@pytest.mark.parametrize(("layout", "kv_shape"), [(SPLIT, (2 * 33, 2, 1, 16, 256)), (INTERLEAVED, (2 * 33, 1, 16, 512))])
+def test_view_shapes_and_dtypes_397b_tp8(layout, kv_shape):
+    g = RankGeometry(load_preset("qwen3.5-397b-a17b"), 8, 3, CacheOptions(kernel_block_size=16, kv_layout=layout))
     cache = HybridCache.allocate(g, 2)
     kv = cache.kv(3)
-    assert kv.shape == (2 * 33, 2, 1, 16, 256) and kv.dtype == torch.bfloat16
+    assert kv.shape == kv_shape and kv.dtype == torch.bfloat16
+    assert cache.k(3).shape == cache.v(3).shape == (2 * 33, 1, 16, 256)
     conv = cache.conv(0)
     assert conv.shape == (2, 12_288 // 8, 3) and conv.dtype == torch.bfloat16
     ssm = cache.ssm(58)
@@ -167,16 +181,17 @@ def test_view_dtypes_follow_options(tiny_model):
 
 # ---- views alias the reported byte ranges -----------------------------------------------------------
 
+@pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_every_view_aliases_its_range_tiny(tiny_model, tp):
-    g = RankGeometry(tiny_model, tp, tp - 1, CacheOptions(kernel_block_size=4))
+def test_every_view_aliases_its_range_tiny(tiny_model, tp, layout):
+    g = RankGeometry(tiny_model, tp, tp - 1, CacheOptions(kernel_block_size=4, kv_layout=layout))
     check_every_range(HybridCache.allocate(g, 3), torch.Generator().manual_seed(tp))
 
 
-@pytest.mark.parametrize(("tp", "rank"), [(8, 5), (4, 2)])
-def test_views_alias_ranges_397b(tp, rank):
-    g = RankGeometry(load_preset("qwen3.5-397b-a17b"), tp, rank, CacheOptions(kernel_block_size=16))
-    assert g.kernel_ratio == {8: 33, 4: 66}[tp]
+@pytest.mark.parametrize(("tp", "rank", "layout"), [(8, 5, SPLIT), (4, 2, SPLIT), (8, 5, INTERLEAVED), (2, 1, INTERLEAVED)])
+def test_views_alias_ranges_397b(tp, rank, layout):
+    g = RankGeometry(load_preset("qwen3.5-397b-a17b"), tp, rank, CacheOptions(kernel_block_size=16, kv_layout=layout))
+    assert g.kernel_ratio == {8: 33, 4: 66, 2: 131}[tp]
     cache = HybridCache.allocate(g, 2)
     # Layers on the first and last tensor, first and last GDN group; first, second and last kernel block.
     check_every_range(cache, torch.Generator().manual_seed(tp), layers=[0, 2, 3, 56, 59], blocks=[1],
@@ -190,18 +205,20 @@ def test_views_alias_ranges_property(tiny_model, data):
     kv = data.draw(st.sampled_from([DType.BF16, DType.FP16, DType.FP8]))
     ssm = data.draw(st.sampled_from([DType.FP32, DType.BF16]))
     align = data.draw(st.sampled_from([8, 16, 32]))
+    layout = data.draw(st.sampled_from(list(KVLayout)))
     g0 = RankGeometry(tiny_model, tp, options=CacheOptions(kv_dtype=kv, ssm_dtype=ssm, alignment=align))
     kbs = data.draw(st.sampled_from([d for d in (1, 2, 4, 8, 16, 32) if g0.block_size % d == 0]))
     g = RankGeometry(tiny_model, tp, data.draw(st.integers(0, tp - 1)),
-                     CacheOptions(kv_dtype=kv, ssm_dtype=ssm, alignment=align, kernel_block_size=kbs))
+                     CacheOptions(kv_dtype=kv, ssm_dtype=ssm, alignment=align, kernel_block_size=kbs,
+                                  kv_layout=layout))
     cache = HybridCache.allocate(g, data.draw(st.integers(1, 3)))
     layer = data.draw(st.integers(0, tiny_model.num_layers - 1))
     block = data.draw(st.integers(0, cache.num_blocks - 1))
     check_every_range(cache, torch.Generator().manual_seed(data.draw(st.integers(0, 2**31))), [layer], [block])
 
 
-def test_kv_head_is_one_byte_range(tiny_model):
-    g = RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=8))
+def test_split_kv_head_is_one_byte_range_per_half(tiny_model):
+    g = RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=8, kv_layout=SPLIT))
     cache = HybridCache.allocate(g, 2)
     base = cache.raw(g.tensor_of(7)).data_ptr()
     gen = torch.Generator().manual_seed(7)
@@ -212,8 +229,9 @@ def test_kv_head_is_one_byte_range(tiny_model):
             check_alias(cache, view, base + g.kv_offset(1, 1, half, head_slot=head), length, gen)
 
 
-def test_logical_block_is_ratio_consecutive_kv_pairs(tiny_model):
-    g = RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=4))
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_logical_block_is_ratio_consecutive_kernel_blocks(tiny_model, layout):
+    g = RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=4, kv_layout=layout))
     assert g.kernel_ratio == 4
     cache = HybridCache.allocate(g, 3)
     kv = cache.kv(3)
@@ -223,6 +241,56 @@ def test_logical_block_is_ratio_consecutive_kv_pairs(tiny_model):
     expected = torch.zeros_like(page)
     expected[2 * g.page_bytes : 3 * g.page_bytes] = True
     assert torch.equal(page, expected)  # logical block 2 is exactly page 2
+
+
+def _kv_element_offsets(g: RankGeometry, num_blocks: int, half: int) -> torch.Tensor:
+    """Byte offset of every element of the k (half 0) or v (half 1) view, from the geometry's arithmetic alone."""
+    nkb = num_blocks * g.kernel_ratio
+    kb = torch.arange(nkb).view(-1, 1, 1, 1)
+    blocks, kidx = kb // g.kernel_ratio, kb % g.kernel_ratio
+    slot = torch.arange(g.num_kv_heads_local).view(1, -1, 1, 1)
+    tok = torch.arange(g.kernel_block_size).view(1, 1, -1, 1)
+    elem = torch.arange(g.model.head_dim).view(1, 1, 1, -1)
+    return (blocks * g.page_bytes + kidx * g.kernel_block_bytes + half * g.kv_half_stride
+            + slot * g.kv_head_stride + tok * g.kv_token_stride + elem * g.kv_itemsize)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize(("tp", "kbs", "kv_dtype"), [(1, None, DType.BF16), (1, 4, DType.FP8), (2, 8, DType.FP16),
+                                                     (4, None, DType.BF16)])
+def test_k_and_v_views_alias_kv_offsets(tiny_model, layout, tp, kbs, kv_dtype):
+    """Writes through k / v land exactly at kv_offset, together cover every attention byte, and never overlap."""
+    g = RankGeometry(tiny_model, tp, tp - 1, CacheOptions(kernel_block_size=kbs, kv_layout=layout, kv_dtype=kv_dtype))
+    cache = HybridCache.allocate(g, 3)
+    item = g.kv_itemsize
+    raw = cache.raw(g.tensor_of(3)).reshape(-1)
+    gen = torch.Generator().manual_seed(tp)
+    covered = torch.zeros(raw.numel(), dtype=torch.bool)
+    for half, view in enumerate((cache.k(3), cache.v(3))):
+        assert view.shape == (3 * g.kernel_ratio, g.num_kv_heads_local, g.kernel_block_size, g.model.head_dim)
+        assert view.dtype == cache.kv(3).dtype
+        pattern = random_like(view, gen)
+        as_int(view).copy_(pattern)
+        offsets = _kv_element_offsets(g, 3, half)
+        got = raw.view(_INT_OF_SIZE[item])[offsets // item]
+        assert torch.equal(got, pattern)
+        addr, mask = footprint(view)
+        assert addr == raw.data_ptr()
+        assert not (covered & mask).any()
+        covered |= mask
+    assert bool(covered.all())  # K and V tile the attention pages: no byte left, none shared
+
+
+def test_k_and_v_are_the_natural_view_sliced(tiny_model):
+    cache = HybridCache.allocate(RankGeometry(tiny_model, 1), 2)
+    hd = tiny_model.head_dim
+    kv = cache.kv(3)
+    assert kv.shape == (2, tiny_model.num_kv_heads, cache.geometry.block_size, 2 * hd)
+    as_int(cache.v(3)).fill_(7)
+    assert bool((as_int(kv)[..., hd:] == 7).all()) and int(as_int(kv)[..., :hd].abs().sum()) == 0
+    split = HybridCache.allocate(RankGeometry(tiny_model, 1, options=CacheOptions(kv_layout=SPLIT)), 2)
+    as_int(split.k(3)).fill_(5)
+    assert bool((as_int(split.kv(3))[:, 0] == 5).all()) and int(as_int(split.kv(3))[:, 1].abs().sum()) == 0
 
 
 def test_sd_conv_view_is_transposed(tiny_model):
@@ -304,7 +372,7 @@ def test_layers_share_bytes_only_on_the_same_tensor(tiny_model, preset, tp):
 
 
 def test_blocks_halves_and_segments_are_disjoint(tiny_model):
-    g = RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=8))
+    g = RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=8, kv_layout=SPLIT))
     cache = HybridCache.allocate(g, 3)
     spans = []
     for b in range(3):
@@ -365,7 +433,8 @@ def test_wrapped_tensor_count_and_sizes(tiny_model):
 
 
 def test_view_of_wrong_kind_or_range(tiny_model):
-    cache = HybridCache.allocate(RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=8)), 2)
+    cache = HybridCache.allocate(RankGeometry(tiny_model, 1, options=CacheOptions(kernel_block_size=8,
+                                                                                   kv_layout=SPLIT)), 2)
     with pytest.raises(ConfigError, match="layer 0 is linear_attention"):
         cache.kv(0)
     with pytest.raises(ConfigError, match="layer 3 is full_attention"):
@@ -380,3 +449,14 @@ def test_view_of_wrong_kind_or_range(tiny_model):
     assert info.value.value == 2
     with pytest.raises(ConfigError, match="half=2"):
         cache.kv_range(3, 0, 0, 2)
+    with pytest.raises(ConfigError, match="kernel_index=2"):
+        cache.kernel_block_range(3, 0, 2)
+    with pytest.raises(ConfigError, match="layer 0 is linear_attention"):
+        cache.k(0)
+
+
+def test_kv_range_needs_the_split_layout(tiny_model):
+    cache = HybridCache.allocate(RankGeometry(tiny_model, 1), 2)
+    with pytest.raises(ConfigError, match="split") as info:
+        cache.kv_range(3, 0, 0, 0)
+    assert (info.value.field, info.value.value) == ("kv_layout", "interleaved")

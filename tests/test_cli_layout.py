@@ -105,6 +105,24 @@ def test_json_kernel_block_and_alignment(capsys):
     assert doc["block_size"] == 576  # 64 * ceil(533,504 / (64 * 1,024))
 
 
+def test_json_kv_layout_default_and_split(capsys):
+    doc = run_json(capsys, "--preset", BIG, "--tp", "2")
+    assert doc["kv_layout"] == "interleaved" and all(r["kv_layout"] == "interleaved" for r in doc["ranks"])
+    split = run_json(capsys, "--preset", BIG, "--tp", "2", "--kv-layout", "split")
+    assert split["kv_layout"] == "split"
+    # Page and block sizes do not depend on the layout.
+    assert (split["block_size"], split["page_bytes"]) == (doc["block_size"], doc["page_bytes"]) == (2096, 2096 * 1024)
+    assert main(["layout", "--preset", BIG, "--tp", "2", "--kv-layout", "split"]) == 0
+    assert "KV layout split" in capsys.readouterr().out
+
+
+def test_bad_kv_layout_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["layout", "--preset", BIG, "--tp", "2", "--kv-layout", "HND"])
+    assert info.value.code == 2
+    assert "--kv-layout" in capsys.readouterr().err
+
+
 def test_config_file(capsys, tmp_path, tiny_config):
     path = tmp_path / "tiny" / "config.json"
     path.parent.mkdir()

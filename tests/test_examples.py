@@ -20,3 +20,22 @@ def test_quickstart_moves_the_request():
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "quickstart.py")], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert "done 25681920 bytes" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+def test_multi_rank_producer_serves_one_decode_rank_from_two_prefill_ranks():
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "multi_rank_producer.py")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    # A TP2 -> TP1 fan-in moves what the one-rank quick start moves: every head and state shard once.
+    assert "done 25681920 bytes from 2 prefill ranks" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    assert "Initialized NIXL agent" not in proc.stdout + proc.stderr  # quiet_nixl_logging took effect
+
+
+def test_tiny_hybrid_parity_short_version():
+    """P2 -> D4 in the interleaved layout decodes bit-identically; both negative controls fail as they must."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "tiny_hybrid_parity.py"), "--short"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr[-3000:]
+    assert "interleaved P2 -> D4" in out and "logits 32/32 steps bit-equal  PASS" in out, out
+    assert "refused with StatePositionError" in out and "step 0 logits differ" in out, out
+    assert out.count("PASS") == 3 and "FAIL" not in out and out.rstrip().endswith("PARITY HOLDS"), out

@@ -19,7 +19,16 @@ from hypothesis import strategies as st
 from hybrid_transfer import verify
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.errors import ConfigError, VerificationError
-from hybrid_transfer.layout import CacheOptions, ConvLayout, DType, LayerKind, RankGeometry, SsmOrder, model_from_config
+from hybrid_transfer.layout import (
+    CacheOptions,
+    ConvLayout,
+    DType,
+    KVLayout,
+    LayerKind,
+    RankGeometry,
+    SsmOrder,
+    model_from_config,
+)
 from hybrid_transfer.verify import (
     POISON_BYTE,
     PatternKind,
@@ -73,9 +82,14 @@ def ints(t: torch.Tensor) -> torch.Tensor:
 
 
 def kv6(cache: HybridCache, layer: int) -> torch.Tensor:
+    """[block, kernel block, K/V, head slot, token, element] over the cache, whatever the KV layout."""
     g = cache.geometry
-    return ints(cache.kv(layer)).view(cache.num_blocks, g.kernel_ratio, 2, g.num_kv_heads_local,
-                                      g.kernel_block_size, g.model.head_dim)
+    k = ints(cache.k(layer))
+    it = g.kv_itemsize
+    shape = (cache.num_blocks, g.kernel_ratio, 2, g.num_kv_heads_local, g.kernel_block_size, g.model.head_dim)
+    strides = (g.page_bytes // it, g.kernel_block_bytes // it, g.kv_half_stride // it, g.kv_head_stride // it,
+               g.kv_token_stride // it, 1)
+    return k.as_strided(shape, strides, k.storage_offset())
 
 
 def token_slots(cache: HybridCache, ids, tokens: torch.Tensor):
@@ -647,3 +661,35 @@ def test_block_count_rule_matches_ceil():
     g = RankGeometry(tiny_model(), 1, 0, CacheOptions(block_size=16))
     for n in (1, 15, 16, 17, 64):
         assert len(make_request(g, n, 20, rng=0).block_ids[0]) == math.ceil(n / 16)
+
+
+# ---- naive's whole pages: only the last page's tail may be skipped ------------------------------------
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_skip_attention_tails_ignores_only_the_unused_tail_of_the_last_page(layout):
+    g = RankGeometry(tiny_model(), 1, 0, CacheOptions(block_size=16, kernel_block_size=4, kv_layout=layout))
+    request = RequestLayout(block_ids=((5, 2, 7), (0,), (1,), (3,)), num_tokens=21)  # block 7: extra local block
+    cache = HybridCache.allocate(g, 9)
+    for mine, want in zip(cache.tensors, expected_destination(cache, request, SEED), strict=True):
+        mine.copy_(want)
+    check_destination(cache, request, SEED)
+    layer = _first_fa_layer(cache)
+
+    def poke(block: int, token: int, half: int) -> None:
+        view = ints(cache.k(layer) if half == 0 else cache.v(layer)).view(9, g.kernel_ratio, g.num_kv_heads_local,
+                                                                            g.kernel_block_size, g.model.head_dim)
+        view[block, token // g.kernel_block_size, -1, token % g.kernel_block_size, 0] ^= 0x5A
+
+    poke(2, 21 - 16, 1)  # token 21, the first tail token of the last page (block 2), V of the last head
+    poke(2, 15, 0)  # token 31, the last token of that page
+    with pytest.raises(VerificationError, match="tail, past num_tokens=21"):
+        check_destination(cache, request, SEED)
+    check_destination(cache, request, SEED, skip_attention_tails=True)
+    poke(2, 4, 0)  # token 20: the last valid one
+    with pytest.raises(VerificationError, match=r"token 20 \(valid\)"):
+        check_destination(cache, request, SEED, skip_attention_tails=True)
+    poke(2, 4, 0)  # undo (xor)
+    check_destination(cache, request, SEED, skip_attention_tails=True)
+    poke(7, 0, 0)  # the extra block past the last page: never a tail, always poison
+    with pytest.raises(VerificationError, match="block 7"):
+        check_destination(cache, request, SEED, skip_attention_tails=True)

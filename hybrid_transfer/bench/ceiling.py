@@ -90,7 +90,7 @@ class CeilingEnd:
         # Written now, like the caches (torch.zeros): untouched pages would fault inside the timed READs.
         self.buffer = torch.full((slots * slot_bytes,), POISON_BYTE, dtype=torch.uint8, device=device)
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
-        self.agent = NixlAgent(name, config)
+        self.agent = NixlAgent(name, config, device_memory=device.type == "cuda")
         self.agent.register([Region(self.buffer.data_ptr(), self.buffer.numel(), self.device_id,
                                     device.type == "cuda")])
         self.peers: dict[int, CeilingPeer] = {}  # source rank -> its buffer (decode ranks only)

@@ -31,7 +31,7 @@ def common_record(result: BenchResult) -> dict[str, Any]:
     record: dict[str, Any] = {
         "preset": s.preset, "prefill_tp": s.prefill_tp, "decode_tp": s.decode_tp, "requests": s.requests,
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
-        "kv_dtype": s.kv_dtype or "model", "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
+        "kv_dtype": s.kv_dtype or "model", "kv_layout": s.kv_layout, "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
         "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size,
     }
     if s.device is Device.CUDA:
@@ -126,8 +126,9 @@ def table_rows(result: BenchResult) -> list[list[str]]:
 COLUMNS = ("variant", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post ms", "ovh ms", "p50 ms", "p99 ms",
            "lag ms", "hold ms", "gather/scatter ms", "CPU s d/p", "verified")
 NOTES = (
-    "*: the chosen --mode. GB/s: payload bytes of all decode ranks / (first post -> last request DONE), bytes "
-    "in their final place; with --rounds, every figure is the median round's and (min-max) the rounds' GB/s. "
+    "*: the chosen --mode. GB/s: valid payload bytes of all decode ranks / (first post -> last request DONE), "
+    "bytes in their final place, the same count for every variant (naive moves whole pages; their unused tails "
+    "are not counted); with --rounds, every figure is the median round's and (min-max) the rounds' GB/s. "
     "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: NIXL's direct path "
     "does not merge). plan ms: median planner time per request and rank, measured again outside the window. "
     "post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy inside the post). "

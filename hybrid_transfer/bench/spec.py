@@ -7,7 +7,9 @@ import enum
 import msgspec
 
 from hybrid_transfer.errors import ConfigError
-from hybrid_transfer.layout import CacheOptions, DType, load_preset
+from hybrid_transfer.layout import CacheOptions, DType, KVLayout, load_preset
+from hybrid_transfer.layout.model import context_tokens
+from hybrid_transfer.layout.presets import preset_config
 from hybrid_transfer.plan.types import PlanMode
 
 KV_DTYPES = {"bf16": DType.BF16, "fp16": DType.FP16, "fp8": DType.FP8}
@@ -73,11 +75,13 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     sweep: Sweep = Sweep.NONE
     sweep_values: tuple[float, ...] = ()
     backend_threads: int | None = None  # EngineConfig.num_backend_threads of every rank (None: its default)
+    kv_layout: str = KVLayout.INTERLEAVED.value  # attention page layout of both sides (vLLM 0.33's default)
     split_batch_size: int | None = None  # EngineConfig.split_batch_size of every rank (None: its default)
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
         load_preset(self.preset)  # UnknownPresetError names the shipped ones
+        max_tokens = context_tokens(preset_config(self.preset))
         for name in ("prefill_tp", "decode_tp", "requests", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be >= 1")
@@ -90,12 +94,19 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("decode_tp", d, f"and prefill TP {p}: one must divide the other")
         if self.tokens < 0:
             _bad("tokens", self.tokens, "must be >= 0")
+        if self.seed < 0:
+            _bad("seed", self.seed, "must be >= 0")
+        most = max((self.tokens, *(self.sweep_values if self.sweep is Sweep.TOKENS else ())))
+        if max_tokens is not None and most > max_tokens:
+            _bad("tokens", most, f"exceeds the {max_tokens} tokens that {self.preset} allows (max_position_embeddings)")
         if not 0.0 <= self.fragmentation <= 1.0:
             _bad("fragmentation", self.fragmentation, "must be in [0, 1]")
         if self.warmup < 0:
             _bad("warmup", self.warmup, "must be >= 0")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             _bad("kv_dtype", self.kv_dtype, f"must be one of {sorted(KV_DTYPES)}")
+        if self.kv_layout not in {m.value for m in KVLayout}:
+            _bad("kv_layout", self.kv_layout, f"must be one of {[m.value for m in KVLayout]}")
         for name in ("prefill_gpus", "decode_gpus"):
             gpus = getattr(self, name)
             if not gpus or any(g < 0 for g in gpus):
@@ -110,7 +121,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def cache_options(self) -> CacheOptions:
-        return CacheOptions(kv_dtype=KV_DTYPES[self.kv_dtype] if self.kv_dtype else None)
+        return CacheOptions(kv_dtype=KV_DTYPES[self.kv_dtype] if self.kv_dtype else None,
+                            kv_layout=KVLayout(self.kv_layout))
 
     @property
     def points(self) -> tuple[Point, ...]:

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from hybrid_transfer.bench.spec import DEFAULT_SWEEP_VALUES, KV_DTYPES, BenchSpec, Device, Sweep
-from hybrid_transfer.layout import preset_names
+from hybrid_transfer.cli.common import check_output_path
+from hybrid_transfer.layout import KVLayout, preset_names
 from hybrid_transfer.plan.types import PlanMode
 
 _DEFAULTS = BenchSpec()
@@ -42,10 +43,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Spawns one process per prefill rank and per decode rank, each with its own NIXL agent (UCX), and "
             "moves model-shaped requests (paged KV of every attention layer + GDN state) through the engine. "
-            "Every run measures, on the same bytes: the chosen --mode, the naive mode (one descriptor per "
-            "region, kernel block and sub-region, like vLLM) and the ceiling (one READ of the same bytes per "
-            "(decode rank, source) as a single descriptor, between the same processes). Prints a summary "
-            "table; --json and --plot write files."
+            "Every run measures, on the same requests: the chosen --mode, the naive mode (vLLM 0.33's own "
+            "scheme: one descriptor per shared tensor and kernel page, whole pages) and the ceiling (one READ "
+            "of the same bytes per (decode rank, source) as a single descriptor, between the same processes). "
+            "GB/s counts the valid payload bytes for every variant (naive's page tails are not counted). "
+            "Prints a summary table; --json and --plot write files."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -77,6 +79,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cuda: GPU indices for decode ranks, round-robin (e.g. 1 or 0,1)")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype on both sides; None means the model dtype")
+    parser.add_argument("--kv-layout", choices=[m.value for m in KVLayout], default=d.kv_layout,
+                        help="attention page layout of both sides: interleaved [heads][tokens][K|V] (vLLM 0.33) "
+                             "or split [K | V] halves (older vLLM)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of block ids and byte patterns")
     parser.add_argument("--backend-threads", type=int, default=d.backend_threads, metavar="N",
                         help="threads of UCX's thread-pool engine per NIXL agent (0: one worker, no pool); "
@@ -116,6 +121,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         warmup=args.warmup, rounds=args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
         sweep_values=tuple(args.sweep_values or ()), backend_threads=args.backend_threads,
         split_batch_size=args.split_batch_size,
+        kv_layout=args.kv_layout,
     ).validate()
 
 
@@ -125,6 +131,9 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_transfer.bench.report import plain_table, print_table, to_json
 
     spec = spec_from_args(args)
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        if path is not None:
+            check_output_path(path, flag)  # before the run, not after it
     coordinator = Coordinator(spec)
     has_rich = importlib.util.find_spec("rich") is not None  # the bench extra; bare GPU images may lack it
     if has_rich and sys.stderr.isatty():

@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from hybrid_transfer.cli.common import KV_DTYPES, add_model_source, load_model, parse_kv_dtype
+from hybrid_transfer.cli.common import (
+    KV_DTYPES,
+    add_kv_layout,
+    add_model_source,
+    load_model,
+    parse_kv_dtype,
+    parse_kv_layout,
+)
 from hybrid_transfer.layout import (
     CacheOptions,
     ModelSpec,
@@ -23,7 +30,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Per-rank geometry of the paged hybrid cache (DESIGN 2): KV heads, bytes per token per "
             "full-attention layer, conv / ssm bytes per GDN layer, state bytes per request, block size, "
-            "page bytes and number of shared tensors. With --json, one JSON object: the figures of "
+            "page bytes, number of shared tensors and the KV layout. With --json, one JSON object: the figures of "
             "--rank (default 0) at top level and a 'ranks' list of the ranks shown."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -37,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="block size alignment in tokens for page-size unification")
     parser.add_argument("--kernel-block-size", type=int, default=None, metavar="K",
                         help="attention kernel block size in tokens; None means the logical block size")
+    add_kv_layout(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
     parser.set_defaults(handler=run)
 
@@ -47,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         kv_dtype=parse_kv_dtype(args.kv_dtype),
         alignment=args.alignment,
         kernel_block_size=args.kernel_block_size,
+        kv_layout=parse_kv_layout(args.kv_layout),
     )
     ranks = rank_figures(model, args.tp, options, args.rank)
     if args.json:
@@ -74,7 +83,7 @@ def render_table(model: ModelSpec, ranks: list[dict]) -> str:
     header = (
         f"{model.name}: {model.num_layers} layers ({first['num_fa_layers']} full attention, "
         f"{first['num_gdn_layers']} GDN), TP {first['tp_size']}, KV {first['kv_dtype']}, "
-        f"ssm {first['ssm_dtype']}, conv layout {first['conv_layout']}, "
+        f"ssm {first['ssm_dtype']}, KV layout {first['kv_layout']}, conv layout {first['conv_layout']}, "
         f"kernel block {first['kernel_block_size']} (ratio {first['kernel_ratio']})"
     )
     columns = ("rank", "KV heads", "KV B/token/FA layer", "conv B/GDN layer", "ssm B/GDN layer",

@@ -7,7 +7,18 @@ import json
 
 import numpy as np
 
-from hybrid_transfer.cli.common import KV_DTYPES, add_model_source, load_model, parse_kv_dtype
+from hybrid_transfer.cli.common import (
+    KV_DTYPES,
+    add_kv_layout,
+    add_model_source,
+    check_tokens,
+    load_model_and_context,
+    non_negative_int,
+    parse_kv_dtype,
+    parse_kv_layout,
+    positive_int,
+    token_count,
+)
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, ModelSpec
 from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
@@ -26,23 +37,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Plan one request from a prefill engine to a decode engine over fake addresses and print, per "
             "decode rank, the source ranks, bytes and descriptors per source, and totals. With --json, only "
             "a JSON list on stdout: one object per decode rank with decode_rank, total_bytes, descriptors, "
-            "sources [{rank, bytes, descriptors, pieces, mode}], mode, notify, expected_bytes."
+            "sources [{rank, bytes, descriptors, pieces, mode}], mode, kv_layout, notify, expected_bytes "
+            "(what the plan moves) and valid_bytes (the request's payload; naive moves whole pages, so more)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_source(parser)
-    parser.add_argument("--prefill-tp", type=int, required=True, metavar="P", help="prefill (producer) TP size")
-    parser.add_argument("--decode-tp", type=int, required=True, metavar="D", help="decode (consumer) TP size")
+    parser.add_argument("--prefill-tp", type=positive_int, required=True, metavar="P",
+                        help="prefill (producer) TP size")
+    parser.add_argument("--decode-tp", type=positive_int, required=True, metavar="D",
+                        help="decode (consumer) TP size")
     parser.add_argument("--decode-rank", type=int, default=None, metavar="R",
                         help="plan only this decode rank; None plans every decode rank")
-    parser.add_argument("--tokens", type=int, required=True, metavar="N", help="tokens whose KV moves")
+    parser.add_argument("--tokens", type=token_count, required=True, metavar="N",
+                        help="tokens whose KV moves (at most the model's max_position_embeddings)")
     parser.add_argument("--mode", choices=[m.value for m in PlanMode], default=PlanMode.COALESCED.value,
-                        help="naive (vLLM-style baseline), coalesced, pack, or auto (cost model)")
+                        help="naive (vLLM 0.33's own descriptor scheme: whole pages), coalesced, pack, or auto "
+                             "(cost model)")
     parser.add_argument("--fragmentation", type=float, default=0.0, metavar="F",
                         help="share of block ids replaced by random free ids (0: contiguous, 1: shuffled)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for fragmented block ids")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed for fragmented block ids")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype on both sides; None means the model dtype")
+    add_kv_layout(parser)
     parser.add_argument("--alignment", type=int, default=DEFAULT_ALIGNMENT, metavar="A",
                         help="block size alignment in tokens for page-size unification")
     for side in ("prefill", "decode"):
@@ -55,19 +72,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args)
+    model, max_tokens = load_model_and_context(args)
+    check_tokens(args.tokens, max_tokens, model)
     kv_dtype = parse_kv_dtype(args.kv_dtype)
+    kv_layout = parse_kv_layout(args.kv_layout)
     prefill = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.prefill_block_size,
-                           kernel_block_size=args.prefill_kernel_block_size)
+                           kernel_block_size=args.prefill_kernel_block_size, kv_layout=kv_layout)
     decode = CacheOptions(kv_dtype=kv_dtype, alignment=args.alignment, block_size=args.decode_block_size,
-                          kernel_block_size=args.decode_kernel_block_size)
+                          kernel_block_size=args.decode_kernel_block_size, kv_layout=kv_layout)
     plans = plan_all(model, args.prefill_tp, args.decode_tp, prefill, decode, args.tokens, PlanMode(args.mode),
                      args.fragmentation, args.seed, args.decode_rank)
     if args.json:
         print(json.dumps([plan_summary(p) for p in plans], indent=2))
     else:
         header = (f"{model.name}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {args.tokens} tokens, "
-                  f"mode {args.mode}, fragmentation {args.fragmentation}")
+                  f"mode {args.mode}, KV layout {args.kv_layout}, fragmentation {args.fragmentation}")
         print(render_table(header, plans))
     return 0
 
@@ -81,6 +100,11 @@ def plan_all(model: ModelSpec, prefill_tp: int, decode_tp: int, prefill: CacheOp
                           value=decode_rank)
     if num_tokens < 0:
         raise ConfigError(f"--tokens {num_tokens} must be >= 0", field="tokens", value=num_tokens)
+    for flag, tp in (("--prefill-tp", prefill_tp), ("--decode-tp", decode_tp)):
+        if tp < 1:
+            raise ConfigError(f"{flag} {tp} must be >= 1", field=flag.lstrip("-").replace("-", "_"), value=tp)
+    if seed < 0:
+        raise ConfigError(f"--seed {seed} must be >= 0", field="seed", value=seed)
     rng = np.random.default_rng(seed)
     probe_p = fake_engine(model, prefill_tp, prefill, 1)[0]
     probe_d = fake_engine(model, decode_tp, decode, 1)[0]
@@ -110,9 +134,11 @@ def plan_summary(plan: ReadPlan) -> dict:
     return {
         "decode_rank": plan.decode_rank,
         "mode": plan.mode.value,
+        "kv_layout": plan.meta.get("kv_layout"),
         "num_tokens": plan.num_tokens,
         "total_bytes": plan.total_bytes,
         "expected_bytes": plan.expected_bytes,
+        "valid_bytes": plan.meta.get("valid_bytes", plan.expected_bytes),
         "descriptors": plan.num_descriptors,
         "sources": sources,
         "notify": [{"rank": n.source_rank, "expected_consumers": n.expected_consumers} for n in plan.notify],

@@ -8,17 +8,33 @@ holds (a producer's holds, aborts and revocations), fences (engine step fences),
 Pack mode: staging (bounded registered pools), stager (the producer's gather at hold and its
 staging directory), pack_reader (the consumer's query, READ and scatter), gather_scatter (one
 index copy per list on CPU or CUDA), calibrate (per-descriptor and per-byte costs for auto).
-Diagnostics (`hybrid-transfer doctor`): diagnostics, diagnostics_host, diagnostics_paths,
-diagnostics_loopback, diagnostics_ucx.
+Embedding in a serving engine (issue 12): tickets (RankCard, EngineCard, issue_ticket: tickets issued
+by the engine's scheduler), ticket_params (a ticket as JSON-safe request parameters), early
+(completions that arrive before their hold).
+Bounds and input checks: pending (handshakes awaiting a Hello), inputs (hold/start_read arguments),
+inbox (a bounded amount of notifications per poll), log_gate (repeated warnings aggregated).
+The doctor (`hybrid-transfer doctor`) lives in hybrid_transfer.doctor and reaches NIXL through agent.
 """
 
-from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
-from hybrid_transfer.engine.consumer import Consumer
-from hybrid_transfer.engine.producer import Producer
-from hybrid_transfer.engine.state import FailureCause, HoldState, ReadResult, ReadState
-from hybrid_transfer.engine.wire import Ticket, decode_ticket, encode_ticket
+# Imported on first use, so that a process needing one module (the doctor's loopback children need
+# only agent and config) does not pay for torch through producer and consumer.
+_LAZY = {
+    "EngineConfig": "config", "PrepStrategy": "config", "ProgressPolicy": "config",
+    "Consumer": "consumer", "Producer": "producer",
+    "FailureCause": "state", "HoldState": "state", "ReadResult": "state", "ReadState": "state",
+    "Ticket": "wire", "decode_ticket": "wire", "encode_ticket": "wire",
+    "quiet_nixl_logging": "agent",
+    "ticket_from_params": "ticket_params", "ticket_to_params": "ticket_params",
+    "EngineCard": "tickets", "RankCard": "tickets", "decode_rank_card": "tickets",
+    "encode_rank_card": "tickets", "issue_ticket": "tickets",
+}
 
-__all__ = [
-    "Consumer", "EngineConfig", "FailureCause", "HoldState", "PrepStrategy", "Producer", "ProgressPolicy",
-    "ReadResult", "ReadState", "Ticket", "decode_ticket", "encode_ticket",
-]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"hybrid_transfer.engine.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'hybrid_transfer.engine' has no attribute {name!r}")

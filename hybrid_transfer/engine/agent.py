@@ -19,26 +19,35 @@ Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 
 from __future__ import annotations
 
+import importlib
 import logging
 import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from hybrid_transfer.cache import Region
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.state import XferState
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
+
+if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_cuda will do (no torch import)
+    from hybrid_transfer.cache import Region
 
 log = logging.getLogger(__name__)
 
 _CONFIG_LOCK = threading.Lock()
 
 
-def _nixl_api() -> Any:
-    import nixl._api as api  # imported lazily: loading NIXL and UCX costs ~1 s
+def _nixl_api(module: str | None = None) -> Any:
+    """NIXL's Python API: the ``nixl`` meta package's, or one build's (``nixl_cu13._api``) for the doctor.
+
+    Imported lazily: loading NIXL and UCX costs ~1 s (and the meta package's CUDA probe imports torch).
+    """
+    if module is not None:
+        return importlib.import_module(module)
+    import nixl._api as api
 
     return api
 
@@ -49,8 +58,8 @@ def quiet_nixl_logging(level: str = "WARNING") -> None:
     logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
-def _nixl_errors() -> tuple[type[BaseException], ...]:
-    bind = _nixl_api().nixlBind
+def _nixl_errors(api: Any) -> tuple[type[BaseException], ...]:
+    bind = api.nixlBind
     found = tuple(getattr(bind, n) for n in dir(bind) if n.startswith("nixl") and n.endswith("Error"))
     return found + (RuntimeError, ValueError, TypeError)
 
@@ -109,9 +118,10 @@ class NixlAgent:
     Owned by the thread that creates it (see module docstring). ``close()`` is idempotent.
     """
 
-    def __init__(self, name: str, config: EngineConfig):
-        api = _nixl_api()
-        self._errors = _nixl_errors()
+    def __init__(self, name: str, config: EngineConfig, *, api_module: str | None = None,
+                 device_memory: bool = False):
+        api = _nixl_api(api_module)
+        self._errors = _nixl_errors(api)
         self.name = name
         self.config = config
         self._closed = False
@@ -123,27 +133,52 @@ class NixlAgent:
         self._scope = -1  # inside one_check_per_handle: its number; else -1 (every check asks NIXL)
         self._scopes = 0
         use_thread = config.progress is ProgressPolicy.ON_WITH_DELAY
-        # No backend yet: UCX's thread-pool parameters depend on the memory registered first (config.py),
-        # and split_batch_size is only reachable through create_backend.
+        # The UCX backend is created below, not by the agent's config: its thread-pool parameters depend on
+        # the memory the agent moves (``device_memory``, config.py), and split_batch_size is only reachable
+        # through create_backend.
         conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[])
         try:
             with _progress_delay(api, config.progress_delay_us):
                 self._agent = api.nixl_agent(name, conf)
         except self._errors as exc:
             raise EngineError(str(exc), operation="create agent", agent=name) from exc
-        if "UCX" not in self._agent.get_plugin_list():
-            raise EngineError("the UCX backend plugin is not available", operation="create agent", agent=name)
+        plugins = sorted(self._agent.get_plugin_list())
+        if "UCX" not in plugins:
+            raise EngineError(f"no UCX plugin was found (plugins: {plugins})", operation="create agent", agent=name)
         self.backend_params: dict[str, str] | None = None  # what the UCX backend was created with
+        self._ensure_backend(device_memory)
 
     def _ensure_backend(self, device_memory: bool) -> None:
         """Create the UCX backend once, with the thread-pool parameters for this memory kind."""
         if self.backend_params is not None:
             return
         params = self.config.backend_params(device_memory)
-        with self._wrap("create UCX backend"):
+        try:
             self._agent.create_backend("UCX", params)
+        except self._errors as exc:
+            raise EngineError(f"the UCX plugin loaded but did not come up (parameters {params}): {exc}",
+                              operation="create agent", agent=self.name) from exc
+        if "UCX" not in self._agent.backends:
+            raise EngineError(f"the UCX plugin loaded but did not come up (parameters {params})",
+                              operation="create agent", agent=self.name)
         self.backend_params = params
         log.debug("agent %s: UCX backend %s", self.name, params or "with NIXL's defaults")
+
+    # ---- what NIXL loaded (the doctor reports it) -----------------------------------------
+    @property
+    def plugins(self) -> list[str]:
+        with self._wrap("get plugin list"):
+            return sorted(self._agent.get_plugin_list())
+
+    @property
+    def backends(self) -> list[str]:
+        """Backends created (UCX, at construction)."""
+        return sorted(self._agent.backends)
+
+    def mem_types(self, backend: str = "UCX") -> list[str]:
+        """Memory segment types ``backend`` can move (DRAM_SEG, VRAM_SEG, ...)."""
+        with self._wrap("get backend memory types"):
+            return sorted(self._agent.get_backend_mem_types(backend))
 
     # ---- memory -------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> None:
@@ -154,7 +189,6 @@ class NixlAgent:
         if len(kinds) != 1:
             raise EngineError("regions mix host and device memory", operation="register", agent=self.name)
         self._mem_type = "VRAM" if kinds.pop() else "DRAM"
-        self._ensure_backend(self._mem_type == "VRAM")
         rows = [(r.addr, r.length, r.device_id, "") for r in regions]
         with self._wrap("register"):
             self._reg_descs = self._agent.register_memory(self._agent.get_reg_descs(rows, self._mem_type))
@@ -176,14 +210,12 @@ class NixlAgent:
     @property
     def metadata(self) -> bytes:
         """This agent's full metadata (connection info + registered regions) for its peers."""
-        self._ensure_backend(self._mem_type == "VRAM")
         with self._wrap("get metadata"):
             return self._agent.get_agent_metadata()
 
     # ---- peers --------------------------------------------------------------------
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer's metadata; returns the peer's agent name."""
-        self._ensure_backend(self._mem_type == "VRAM")
         with self._wrap("add remote agent"):
             peer = self._agent.add_remote_agent(metadata)
         peer = peer.decode() if isinstance(peer, bytes) else str(peer)

@@ -59,9 +59,13 @@ from __future__ import annotations
 
 import enum
 import math
+import re
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
+from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.plan.types import PlanMode
 
@@ -84,6 +88,7 @@ _STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
 # (num_threads, split_batch_size) of the UCX backend when the config leaves them None; see the module docstring.
 GPU_BACKEND_DEFAULTS: tuple[int, int | None] = (4, 16)
 HOST_BACKEND_DEFAULTS: tuple[int, int | None] = (0, None)
+WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
 class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -100,7 +105,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Settings shared by producers and consumers; every field has a default that works on loopback.
 
     side_channel_host / side_channel_port: where a producer's handshake listener binds (port 0 picks a
-        free port; read it back from ``Producer.address``).
+        free port; read it back from ``Producer.address``). A wildcard (0.0.0.0, ::, *) binds every
+        interface and then needs ``advertise_host``.
+    advertise_host: the host name or address of this rank that tickets and handshake replies give
+        to consumers (with the bound port); None: side_channel_host, which must then not be a wildcard.
     handshake_timeout_s: how long a consumer waits for every rank of a producer engine to answer.
     read_deadline_s: how long a consumer request may wait for handshakes and its READs before it fails.
     lease_s: how long a producer pins a request's blocks, on its own clock; carried in tickets.
@@ -124,10 +132,23 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     cost: auto mode's cost parameters; None: calibrate at consumer start (``calibrate``), else the defaults.
     calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s).
     prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
+    early_completion_grace_s: how long a producer rank keeps a completion that arrives before the
+        request's ``hold()`` (a serving engine holds at its next step; engine/early.py). Completions
+        announced with ``Producer.expect`` are kept for a whole lease instead.
+    early_completion_limit: at most this many such completions are kept per producer rank (the
+        oldest go first, counted in ``ProducerStats.early_evicted``).
+    max_pending_handshakes: consumer agents a producer rank remembers between their handshake and their
+        Hello; beyond it the oldest is forgotten (a flood of handshakes cannot grow memory).
+    pending_handshake_s: how long a producer rank waits for a Hello after a handshake, on its own clock.
+    notifications_per_poll: NIXL notifications one poll() decodes and acts on; the rest wait for the
+        next poll (engine/inbox.py), so a flood cannot stall the owner's loop.
+    notification_backlog_bytes: notifications carried over to later polls, at most; what arrives beyond
+        it is dropped and counted (at least MAX_MESSAGE_BYTES, so any message of ours fits).
     """
 
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 0
+    advertise_host: str | None = None
     handshake_timeout_s: float = 10.0
     read_deadline_s: float = 60.0
     lease_s: float = 120.0
@@ -141,6 +162,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staging_bytes: int = 256 << 20
     cost: CostParams | None = None
     calibrate: bool = True
+    early_completion_grace_s: float = 30.0
+    early_completion_limit: int = 4096
+    max_pending_handshakes: int = 1024
+    pending_handshake_s: float = 60.0
+    notifications_per_poll: int = 1024
+    notification_backlog_bytes: int = 64 << 20
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -148,7 +175,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
         if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
-        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s"):
+        self._validate_advertise_host()
+        for name in ("handshake_timeout_s", "read_deadline_s", "lease_s", "heartbeat_interval_s",
+                     "early_completion_grace_s", "pending_handshake_s"):
             value = getattr(self, name)
             if name == "heartbeat_interval_s" and value is None:
                 continue
@@ -156,8 +185,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 _bad(name, value, "must be a positive, finite number of seconds")
         if self.heartbeat_every_s >= self.lease_s:
             _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
+        if not isinstance(self.early_completion_limit, int) or self.early_completion_limit <= 0:
+            _bad("early_completion_limit", self.early_completion_limit, "must be a positive integer")
         if not isinstance(self.progress_delay_us, int) or self.progress_delay_us < 0:
             _bad("progress_delay_us", self.progress_delay_us, "must be a non-negative integer")
+        if not _is_int(self.max_pending_handshakes) or self.max_pending_handshakes < 1:
+            _bad("max_pending_handshakes", self.max_pending_handshakes, "must be a positive integer")
+        if not _is_int(self.notifications_per_poll) or self.notifications_per_poll < 1:
+            _bad("notifications_per_poll", self.notifications_per_poll, "must be a positive integer")
+        if not _is_int(self.notification_backlog_bytes) or self.notification_backlog_bytes < MAX_MESSAGE_BYTES:
+            _bad("notification_backlog_bytes", self.notification_backlog_bytes,
+                 f"must be an integer of at least {MAX_MESSAGE_BYTES} (one message of the largest size)")
         if self.num_backend_threads is not None and (
                 not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0):
             _bad("num_backend_threads", self.num_backend_threads, "must be None or a non-negative integer")
@@ -186,12 +224,85 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             params["split_batch_size"] = str(split)
         return params
 
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], *, tp_rank: int = 0) -> EngineConfig:
+        """Build and validate a config from plain JSON-like values (vLLM's ``kv_connector_extra_config``).
+
+        Keys are this struct's field names; enums are given by value (``"mode": "pack"``), ``cost``
+        as a dict of CostParams fields. ``side_channel_port`` is the engine's base port: TP rank
+        ``tp_rank`` binds ``base + tp_rank``, and 0 lets every rank pick a free port (read it back
+        from ``Producer.rank_card``). Only settings live here, never secrets.
+
+        Raises:
+            ConfigError: not a mapping, an unknown key, a value of the wrong type or an invalid
+                one; ``field`` names it.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError(f"EngineConfig settings must be a mapping, got {type(config).__name__}", field="*",
+                              value=type(config).__name__)
+        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or tp_rank < 0:
+            raise ConfigError(f"tp_rank={tp_rank!r} must be a non-negative integer", field="tp_rank", value=tp_rank)
+        for key in config:
+            if key not in cls.__struct_fields__:
+                raise ConfigError(f"unknown EngineConfig key {key!r}; known: {', '.join(cls.__struct_fields__)}",
+                                  field=str(key), value=config[key])
+        cost = config.get("cost")
+        if isinstance(cost, Mapping):
+            for key in cost:
+                if key not in CostParams.__struct_fields__:
+                    raise ConfigError(f"unknown EngineConfig key 'cost.{key}'; known: "
+                                      f"{', '.join(CostParams.__struct_fields__)}", field=f"cost.{key}",
+                                      value=cost[key])
+        try:
+            built = msgspec.convert(dict(config), cls, strict=True)
+        except msgspec.ValidationError as exc:
+            field = _path_field(str(exc))
+            raise ConfigError(f"EngineConfig.{field}={_lookup(config, field)!r}: {exc}", field=field,
+                              value=_lookup(config, field)) from exc
+        base = built.side_channel_port
+        if isinstance(base, int) and base:
+            if not 0 < base + tp_rank <= 65535:
+                raise ConfigError(f"side_channel_port={base} + tp_rank {tp_rank} is outside [1, 65535]",
+                                  field="side_channel_port", value=base)
+            built = msgspec.structs.replace(built, side_channel_port=base + tp_rank)
+        return built.validate()
+
+    def _validate_advertise_host(self) -> None:
+        host = self.advertise_host
+        if host is None:
+            if self.side_channel_host in WILDCARD_HOSTS:
+                _bad("advertise_host", host, f"must be set when side_channel_host={self.side_channel_host!r}: "
+                     "a wildcard binds every interface, but no other host can connect to it; advertise an "
+                     "address of this host that consumers reach")
+            return
+        if not isinstance(host, str) or not host or host in WILDCARD_HOSTS or any(
+                c in host for c in "/ \t\n"):
+            _bad("advertise_host", host, "must be a host name or address other hosts can reach (not a wildcard, "
+                 "not a URL)")
+
     @property
     def heartbeat_every_s(self) -> float:
         """The heartbeat interval in effect (``heartbeat_interval_s``, or its default from lease_s)."""
         if self.heartbeat_interval_s is not None:
             return float(self.heartbeat_interval_s)
         return min(5.0, self.lease_s / 4)
+
+
+def _path_field(message: str) -> str:
+    """The field a msgspec ValidationError names (``... - at `$.cost.per_byte_s```), dotted."""
+    match = re.search(r"at `\$\.([^`]+)`", message)
+    return match.group(1) if match else "*"
+
+
+def _lookup(config: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = config
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, Mapping) else None
+    return value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _bad(field: str, value: object, why: str) -> None:

@@ -26,11 +26,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import describe_cache
+from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack_reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
@@ -66,6 +66,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,18 @@ class ConsumerStats:
     welcomes: int = 0
     revokes: int = 0  # Revoke messages taken in (each acknowledged)
     unexpected_notifications: int = 0  # not a Welcome or Revoke of ours from a producer agent we greeted
+    declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
+    declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
+
+
+@dataclass
+class _Decline:
+    """A ticket this rank will not read, waiting for its producer engine's link."""
+
+    ticket: wire.Ticket
+    link: EngineLink
+    deadline: float
 
 
 class Consumer:
@@ -104,11 +117,12 @@ class Consumer:
         self.config = (config or EngineConfig()).validate()
         self.cache = cache
         self.geometry = cache.geometry
-        self.engine_id = engine_id or uuid.uuid4().hex[:12]
+        self.engine_id = inputs.engine_id(engine_id) if engine_id is not None else uuid.uuid4().hex[:12]
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config)
+        self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config,
+                               device_memory=cache.device.type == "cuda")
         self._closed = False
         self._peers: Peers | None = None
         self._pack: PackReader | None = None
@@ -136,7 +150,11 @@ class Consumer:
         self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
         self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
         self._next_heartbeat_at = clock()
+        # At most notifications_per_poll handled per poll (inbox.py). A Revoke may wait in the backlog, so
+        # no READ is judged DONE while one is left (see _advance).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
+        self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
 
     # ---- handshakes ---------------------------------------------------------------
     def connect(self, address: str, *, timeout_s: float | None = None) -> None:
@@ -175,7 +193,9 @@ class Consumer:
 
         Raises (nothing has moved when any of these is raised):
             StatePositionError: ``expected_state_position`` is given and the ticket's differs.
-            TicketError: an inconsistent ticket.
+            TicketError: an inconsistent ticket, or a field that could not travel in one (a bool for an
+                int, a nonce outside [0, 2**63), ...), named with its value.
+            ConfigError: ``expected_state_position`` is not a non-negative int.
             RequestStateError: this request id is already being read.
             PlanError (subclasses): local (or, when the engine is already linked, remote) block ids
                 that do not fit the request.
@@ -184,10 +204,18 @@ class Consumer:
                 quarantined until nothing can write it).
         """
         self._check_open()
+        try:
+            ticket = wire.check_ticket(ticket)
+        except WireDecodeError as exc:
+            rid = getattr(ticket, "request_id", "?")
+            raise TicketError(str(exc), request_id=rid if isinstance(rid, str) else repr(rid)) from exc
+        if expected_state_position is not None:
+            expected_state_position = inputs.count("expected_state_position", expected_state_position)
+        inputs.block_id_lists("local", local_block_ids_per_group)
         rid = ticket.request_id
         if expected_state_position is not None and ticket.state_position != expected_state_position:
             raise StatePositionError(request_id=rid, expected=expected_state_position, actual=ticket.state_position)
-        if ticket.state_position != ticket.num_tokens or ticket.num_tokens < 0:
+        if ticket.state_position != ticket.num_tokens:
             raise TicketError(f"state position {ticket.state_position} must equal num_tokens {ticket.num_tokens}",
                               request_id=rid, state_position=ticket.state_position, num_tokens=ticket.num_tokens)
         if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:
@@ -237,6 +265,7 @@ class Consumer:
         with self.agent.one_check_per_handle():  # pack's and this loop's checks share one NIXL query a poll
             for req in list(self._requests.values()):
                 self._advance(req, now)
+            self._advance_declines(now)
             self._heartbeat(now)
             return self._collect(now)
 
@@ -253,6 +282,61 @@ class Consumer:
             return False
         self._end(req, RequestAbortedError(request_id=request_id, state=req.state.value), self._clock())
         return True
+
+    def decline(self, ticket: wire.Ticket) -> bool:
+        """Tell the producer ranks this rank depends on that it will not read ``ticket``'s blocks.
+
+        For requests the embedder drops before their read (aborted before scheduling, or a full
+        local hit): each producer rank this rank would have read from (or notified) gets an
+        ABORTED completion and frees once every expected consumer rank has reported, instead of
+        at lease expiry. Every consumer rank of the engine declines, as every one would have read.
+        Returns at once: a producer engine not handshaked yet is connected first, and poll()
+        sends the completions once the link is ready. Nothing is reported by poll() for a decline.
+        Returns False when the ticket is already being declined or its engine is known to be
+        unreachable or incompatible (its lease then frees the blocks).
+
+        Raises:
+            TicketError: a ticket whose addresses do not match its TP size.
+            RequestStateError: this rank is reading the request (use ``abort``).
+        """
+        self._check_open()
+        rid = ticket.request_id
+        if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:
+            raise TicketError(f"lists {len(ticket.addresses)} addresses for TP {ticket.tp_size}", request_id=rid,
+                              tp_size=ticket.tp_size, addresses=ticket.addresses)
+        if rid in self._requests:
+            raise RequestStateError("is being read here: abort() it instead of declining",
+                                    request_id=rid, state=self._requests[rid].state.value)
+        key = (rid, ticket.nonce)
+        if key in self._declines:
+            return False
+        link = self._peers.ensure(ticket.engine_key, ticket.addresses)
+        if link.state is LinkState.FAILED:
+            self.stats.declines_dropped += 1
+            log.info("consumer %s: cannot decline %r, its engine is unusable: %s", self.agent.name, rid, link.error)
+            return False
+        now = self._clock()
+        self._declines[key] = _Decline(ticket, link, now + self.config.handshake_timeout_s)
+        self._advance_declines(now)
+        return True
+
+    @property
+    def num_pending_declines(self) -> int:
+        """Declines whose producer engine is still being handshaked."""
+        return len(self._declines)
+
+    def _advance_declines(self, now: float) -> None:
+        for key, decline in list(self._declines.items()):
+            link = decline.link.resolve()
+            if link.state is LinkState.READY:
+                del self._declines[key]
+                self._notify_producers(decline.ticket, link, tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify), wire.CompletionKind.ABORTED)
+                self.stats.declines_sent += 1
+            elif link.state is LinkState.FAILED or now >= decline.deadline:
+                del self._declines[key]
+                self.stats.declines_dropped += 1
+                log.info("consumer %s: decline of %r dropped (%s); the producer's lease frees it", self.agent.name,
+                         decline.ticket.request_id, link.error or "handshake deadline")
 
     def mark_blocks_written(self, block_ids: Sequence[int], step: int) -> None:
         """Engine step ``step`` writes these local blocks: a failed or aborted request keeps them until it finished."""
@@ -309,7 +393,7 @@ class Consumer:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
-            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req):
+            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox):
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -427,7 +511,11 @@ class Consumer:
         if link.state is not LinkState.READY:
             return  # no producer rank knows this agent yet: their leases free the blocks
         notify = req.notify or tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify)
-        t = req.ticket
+        self._notify_producers(req.ticket, link, notify, kind)
+
+    def _notify_producers(self, t: wire.Ticket, link: EngineLink, notify: Sequence[tuple[int, int]],
+                          kind: wire.CompletionKind) -> None:
+        """One Completion of ``kind`` to each (producer rank, expected consumers) of ``notify``."""
         for source_rank, expected in notify:
             peer = link.agents.get(source_rank)
             if peer is None or peer in self._lost:
@@ -464,9 +552,10 @@ class Consumer:
         return welcomed
 
     def _take_notifications(self) -> None:
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._inbox.put(self.agent.get_notifs())
+        self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
 
     def _on_notification(self, sender: str, message: bytes) -> None:
         try:

@@ -15,22 +15,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
 from hybrid_transfer.errors import HandshakeError, PlanError, WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint, fingerprint_diff
 from hybrid_transfer.layout.model import ModelSpec
-from hybrid_transfer.plan.rank import RankDescriptor, describe_rank, geometry_from_descriptor
+from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
 from hybrid_transfer.plan.topology import Topology
 
 log = logging.getLogger(__name__)
-
-
-def describe_cache(cache: HybridCache) -> RankDescriptor:
-    """What this rank tells its peers: its geometry and the regions its agent registered."""
-    regions = cache.regions
-    return describe_rank(cache.geometry, [r.addr for r in regions], cache.num_blocks,
-                         device_id=regions[0].device_id, is_cuda=regions[0].is_cuda)
 
 
 @dataclass(frozen=True)

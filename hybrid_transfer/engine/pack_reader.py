@@ -10,11 +10,14 @@ rows go through staging (every source in pack mode; in auto mode those the cost 
   SCATTERING  the READ is DONE: one index kernel copies the slice into the local blocks
   DONE        the scatter has finished (CUDA: its event completed)
   DIRECT      fallback: the source's coalesced rows went out as one direct READ, because the
-              source staged nothing (ABSENT, ErrorReply from a producer without pack), this
-              rank's pool had no room (fallback, never a wait: see config.py), or the source's
-              staged size or layout disagreed with ours (a bug, logged as a warning)
+              source staged nothing (ABSENT: its pool was full), does not stage at all (an
+              ErrorReply: a producer not in pack or auto mode), this rank's pool had no room
+              (fallback, never a wait: see config.py), or the source's staged size or layout
+              disagreed with ours (a bug, logged as a warning)
 
-Every fallback is counted (PackStats, ReadResult.num_fallback_sources). The consumer notifies
+Every fallback is counted (PackStats, ReadResult.num_fallback_sources). A producer rank that does
+not stage is named once in the log (a warning) and in every ReadResult it serves
+(``unstaged_sources``); later requests read from it directly without asking again. The consumer notifies
 only once every source is DONE or DIRECT with its READ done, so completion follows the scatter.
 Slices are freed in ``forget``, once the request is terminal (no handle can write them), after
 waiting for any scatter still queued. Owned by the consumer's owner thread; it also keeps the
@@ -60,7 +63,8 @@ class SourceStep(enum.Enum):
 @dataclass
 class PackStats:
     packed_sources: int = 0
-    fallback_absent: int = 0  # the source staged nothing (its pool was full, or it does not stage)
+    fallback_absent: int = 0  # the source staged nothing for this request (its pool was full)
+    fallback_unstaged: int = 0  # the source does not stage at all (not in pack or auto mode)
     fallback_pool_full: int = 0  # this rank's pool had no room for the read
     fallback_mismatch: int = 0  # the source's staged size or layout disagreed with ours
     queries_sent: int = 0
@@ -95,6 +99,7 @@ class _Track:
     read_done_at: float | None = None
     scatter_s: float = 0.0
     fallbacks: int = 0
+    unstaged: list[int] = field(default_factory=list)  # source ranks that do not stage at all
     error: HybridTransferError | None = None
 
 
@@ -114,6 +119,7 @@ class PackReader:
         self.pool: StagingPool | None = None
         self._tracks: dict[str, _Track] = {}
         self._asked: dict[str, collections.deque] = {}  # address -> (request id, source rank), in send order
+        self._unstaged: dict[tuple, str] = {}  # (engine key, source rank) -> why that rank does not stage for us
         self._client: HandshakeClient | None = None
         if not self.enabled:
             return
@@ -146,8 +152,12 @@ class PackReader:
                          tuple(int(a) for a in tpl.tensor_addrs))
         track = self._tracks[req.request_id]
         track.sources[src.source_rank] = source
+        if (req.ticket.engine_key, src.source_rank) in self._unstaged:  # said so once already: no query
+            track.unstaged.append(src.source_rank)
+            self._fallback(track, source, "fallback_unstaged")
+            return True
         self._ask(req, source)
-        # Map the rows onto the source's layout while the query travels (about 1 ms for DESIGN 3's example).
+        # Map the rows onto the source's layout while the query travels (about 1 ms for docs/planner.md#worked-example).
         t = req.ticket
         try:
             layout = stage_layout(source.geometry, source.tensor_addrs, t.block_ids, t.num_tokens)
@@ -207,10 +217,20 @@ class PackReader:
         source.answered_at = self._clock()
         if status is wire.StagingStatus.READY:
             self._post_staged(track, source, body)
+        elif isinstance(body, wire.ErrorReply):  # a producer without a stager cannot read the query
+            self._note_unstaged(track, source, body.reason)
+            self._fallback(track, source, "fallback_unstaged")
         else:
-            if isinstance(body, wire.ErrorReply):
-                log.info("source %s cannot stage: %s", source.address, body.reason)
             self._fallback(track, source, "fallback_absent")
+
+    def _note_unstaged(self, track: _Track, source: _Source, reason: str) -> None:
+        key = (track.req.ticket.engine_key, source.plan.source_rank)
+        if key not in self._unstaged:
+            self._unstaged[key] = reason
+            log.warning("producer engine %s rank %d at %s does not stage (its mode is not pack or auto; it "
+                        "answered: %s): this %s consumer reads from it directly", key[0][0],
+                        source.plan.source_rank, source.address, reason, self._config.mode.value)
+        track.unstaged.append(source.plan.source_rank)
 
     def _post_staged(self, track: _Track, source: _Source, reply: wire.StagingReply) -> None:
         t = track.req.ticket
@@ -300,6 +320,7 @@ class PackReader:
             "scatter_s": track.scatter_s,
             "num_packed_sources": sum(s.handle is not None for s in track.sources.values()),
             "num_fallback_sources": track.fallbacks,
+            "unstaged_sources": tuple(sorted(track.unstaged)),
         }
 
     def forget(self, request_id: str) -> None:

@@ -2,8 +2,8 @@
 
 Threads: the thread that builds a Producer owns it and its NIXL agent (hold, poll,
 close). A named daemon thread answers handshakes from immutable, precomputed data
-(handshake.ProducerCard) and passes the names of accepted consumer agents back
-through a queue.
+(handshake.ProducerCard) and records the names of accepted consumer agents in a
+locked, bounded table (pending.py) until they say Hello.
 
 Lifecycle (issue 5; the rules live in holds.py): leases on this rank's clock, renewed by
 consumer heartbeats; aborts that revoke the ticket at every consumer agent that may read it;
@@ -15,7 +15,6 @@ with a Welcome listing revoked tickets; a Bye, or NIXL reporting them disconnect
 from __future__ import annotations
 
 import logging
-import queue
 import secrets
 import time
 import uuid
@@ -23,18 +22,31 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer, describe_cache
+from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
+from hybrid_transfer.engine.inbox import Inbox
+from hybrid_transfer.engine.log_gate import LogGate
+from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
-from hybrid_transfer.errors import ConfigError, EngineError, PeerDisconnectedError, RequestStateError, WireDecodeError
+from hybrid_transfer.engine.tickets import RankCard
+from hybrid_transfer.errors import (
+    ConfigError,
+    EngineError,
+    PeerDisconnectedError,
+    RequestStateError,
+    TicketMismatchError,
+    WireDecodeError,
+)
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +65,11 @@ class ProducerStats:
     freed: int = 0  # holds whose blocks went back to the embedder (whatever their terminal state)
     malformed: int = 0  # not a message of ours (garbage, other version or fingerprint, a kind we never get)
     unknown_agent: int = 0  # from an agent that never completed a handshake with this rank
-    unknown_request: int = 0  # a completion for no held request (never, or already ended)
+    unknown_request: int = 0  # a completion for no held request (not yet, or no longer): kept for its hold
+    early_kept: int = 0  # completions kept for a hold that had not happened (engine/early.py)
+    early_replayed: int = 0  # ... taken in by their hold
+    early_lapsed: int = 0  # ... forgotten: no hold within the grace (or the expectation's lease)
+    early_evicted: int = 0  # ... pushed out because too many were kept
     bad_nonce: int = 0  # the request is held, but the sender was not handed its ticket
     duplicate: int = 0  # this consumer rank already reported the request
     inconsistent: int = 0  # an expected-consumer count that contradicts an earlier one
@@ -65,6 +81,9 @@ class ProducerStats:
     byes: int = 0
     revokes_sent: int = 0
     notify_failures: int = 0  # a Welcome or Revoke that could not be sent (the agent is then forgotten)
+    handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
+    handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
 
 
 class Producer:
@@ -73,8 +92,9 @@ class Producer:
     Args:
         cache: this rank's cache (its geometry gives tp_rank and tp_size).
         config: engine settings (validated here).
-        engine_id, incarnation: the producer engine's identity; pass the same values on every rank
-            of the engine (defaults: random, fine for a one-rank engine).
+        engine_id: the producer engine's name; pass the same value on every rank of the engine
+            (default: random, fine for a one-rank engine).
+        incarnation: distinguishes a restarted engine from its predecessor; same rule as ``engine_id``.
         clock: monotonic seconds, injectable for tests.
     """
 
@@ -83,12 +103,13 @@ class Producer:
         self.config = (config or EngineConfig()).validate()
         self.cache = cache
         self.geometry = cache.geometry
-        self.engine_id = engine_id or uuid.uuid4().hex[:12]
-        self.incarnation = incarnation if incarnation is not None else secrets.randbits(62)
+        self.engine_id = inputs.engine_id(engine_id) if engine_id is not None else uuid.uuid4().hex[:12]
+        self.incarnation = inputs.nonce("incarnation", incarnation) if incarnation is not None else secrets.randbits(62)
         self.tp_rank, self.tp_size = self.geometry.tp_rank, self.geometry.tp_size
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config)
+        self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config,
+                               device_memory=cache.device.type == "cuda")
         self._closed = False
         self._server: HandshakeServer | None = None
         self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)
@@ -100,11 +121,14 @@ class Producer:
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
                 self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
-            self._accepted: queue.SimpleQueue[str] = queue.SimpleQueue()
+            # Consumer agents between handshake and Hello; the listener thread adds to it (pending.py).
+            self._pending = PendingHandshakes(clock, self.config.pending_handshake_s,
+                                              self.config.max_pending_handshakes)
             self.listener_stats = ListenerStats()
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
-                                           self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}")
+                                           self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}",
+                                           advertise_host=self.config.advertise_host)
             self.address = self._server.address
             self._set_card(() if self.tp_size > 1 else (self.address,))
             self._server.start()
@@ -114,8 +138,12 @@ class Producer:
         self.stats = ProducerStats()
         self.fences = StepFences()
         self._book = HoldBook(clock, self.config.lease_s, self.fences)
-        self._known_agents: set[str] = set()  # consumer agents whose handshake this rank accepted
-        self._welcomed: set[str] = set()  # ... which said Hello and were welcomed: the only possible readers
+        self._early = EarlyCompletions(clock, self.config.early_completion_grace_s, self.config.lease_s,
+                                       self.config.early_completion_limit)
+        self._welcomed: set[str] = set()  # consumer agents that said Hello and were welcomed: the only readers
+        # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
+        self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
+        self._log = LogGate(log, clock)
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -141,24 +169,45 @@ class Producer:
         staged = self.stager.respond(data) if self.stager is not None else None
         if staged is not None:
             return staged
-        return answer(card, data, self.listener_stats, self._accepted.put) if card is not None else None
+        return answer(card, data, self.listener_stats, self._pending.add) if card is not None else None
 
     # ---- requests -----------------------------------------------------------------
-    def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int, *,
-             nonce: int | None = None) -> wire.Ticket:
+    def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None = None,
+             num_tokens: int | None = None, *, nonce: int | None = None,
+             ticket: wire.Ticket | None = None) -> wire.Ticket:
         """Pin a request's blocks and return its ticket.
 
         Call only once the prefill step's writes to these blocks are complete: a READ may start
         the moment the ticket exists. Every rank of the engine holds the request with the same
-        block ids; rank 0 draws the nonce, the other ranks pass ``nonce=ticket.nonce``.
+        block ids and nonce: either rank 0 draws the nonce and the other ranks pass
+        ``nonce=ticket.nonce``, or every rank passes the ``ticket`` its engine's scheduler issued
+        (engine/tickets.py); block ids and token count may then be left out. A ticket must match
+        this rank's view (engine id, incarnation, TP size, addresses, lease, request, blocks, tokens,
+        nonce); it also tells a multi-rank engine its addresses when ``set_engine_addresses`` was not
+        called. Completions that arrived before this call are taken in now (engine/early.py): the
+        request may be released by the next poll().
 
         Raises:
+            TicketMismatchError: the ticket disagrees with this rank (each difference named); nothing pinned.
             RequestStateError: the request is already held.
             PlanError (subclasses): block ids of the wrong count, out of range or repeated.
-            ConfigError: a rank other than 0 without rank 0's nonce, or engine addresses not set.
+            ConfigError: a rank other than 0 without rank 0's nonce or a ticket, no block ids, engine
+                addresses not set, or an argument of the wrong type or range (``field`` names it):
+                request_id a non-empty str, num_tokens an int >= 0, nonce an int in [0, 2**63); bools
+                are not ints.
             FenceError: a step marked as writing one of the blocks (mark_blocks_written) has not finished.
         """
         self._check_open()
+        request_id = inputs.request_id(request_id)
+        if ticket is not None:
+            block_ids_per_group, num_tokens, nonce = self._check_ticket(request_id, block_ids_per_group, num_tokens,
+                                                                        nonce, ticket)
+        if block_ids_per_group is None:
+            raise ConfigError(f"hold({request_id!r}) needs block ids or a ticket", field="block_ids_per_group")
+        num_tokens = inputs.count("num_tokens", num_tokens)
+        if nonce is not None:
+            nonce = inputs.nonce("nonce", nonce)
+        inputs.block_id_lists("producer", block_ids_per_group)
         if self._book.get(request_id) is not None:
             raise RequestStateError("is already held", request_id=request_id, state=HoldState.HELD.value)
         if nonce is None and self.tp_rank != 0:
@@ -166,22 +215,73 @@ class Producer:
         if len(self.engine_addresses) != self.tp_size:
             raise ConfigError("call set_engine_addresses() before hold() on a multi-rank engine",
                               field="engine_addresses")
-        if not isinstance(num_tokens, int) or num_tokens < 0:
-            raise ConfigError(f"num_tokens={num_tokens!r} must be a non-negative integer", field="num_tokens",
-                              value=num_tokens)
         ids = block_id_arrays("producer", block_ids_per_group, len(self._kinds))
         validate_block_ids("producer", ids, self._kinds, num_tokens, self.geometry.block_size,
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
-        nonce = secrets.randbits(63) if nonce is None else int(nonce)
-        self._book.add(request_id, nonce, block_ids, num_tokens)
+        nonce = secrets.randbits(63) if nonce is None else nonce
+        hold = self._book.add(request_id, nonce, block_ids, num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
-        return wire.Ticket(
+        for sender, completion in self._early.take(request_id, nonce):
+            self.stats.early_replayed += 1
+            if self._book.get(request_id) is hold:  # an earlier replay may have ended it
+                self._count_report(sender, hold, completion)
+        return ticket if ticket is not None else wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
             tp_size=self.tp_size, request_id=request_id, nonce=nonce, block_ids=block_ids,
             num_tokens=num_tokens, state_position=num_tokens, lease_s=float(self.config.lease_s),
         )
+
+    def _check_ticket(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None,
+                      num_tokens: int | None, nonce: int | None, ticket: wire.Ticket):
+        """Every disagreement between ``ticket`` and this rank, raised at once; else the hold's arguments."""
+        if not isinstance(ticket, wire.Ticket):
+            raise ConfigError(f"ticket must be a Ticket, got {type(ticket).__name__}", field="ticket")
+        checks = [
+            ("version", wire.PROTOCOL_VERSION, ticket.version),
+            ("engine_id", self.engine_id, ticket.engine_id),
+            ("incarnation", self.incarnation, ticket.incarnation),
+            ("tp_size", self.tp_size, ticket.tp_size),
+            ("lease_s", float(self.config.lease_s), float(ticket.lease_s)),
+            ("request_id", request_id, ticket.request_id),
+            ("state_position", ticket.num_tokens, ticket.state_position),
+        ]
+        if len(ticket.addresses) != self.tp_size or ticket.addresses[self.tp_rank] != self.address:
+            checks.append(("addresses", f"{self.address} at index {self.tp_rank}", ticket.addresses))
+        elif self.engine_addresses and self.engine_addresses != tuple(ticket.addresses):
+            checks.append(("addresses", self.engine_addresses, ticket.addresses))
+        if block_ids_per_group is not None:
+            given = tuple(tuple(int(b) for b in group) for group in block_ids_per_group)
+            checks.append(("block_ids", given, ticket.block_ids))
+        if num_tokens is not None:
+            checks.append(("num_tokens", num_tokens, ticket.num_tokens))
+        if nonce is not None:
+            checks.append(("nonce", nonce, ticket.nonce))
+        differences = [(name, ours, theirs) for name, ours, theirs in checks if ours != theirs]
+        if differences:
+            raise TicketMismatchError(request_id=request_id, differences=differences)
+        if not self.engine_addresses:
+            self.set_engine_addresses(ticket.addresses)
+        return ticket.block_ids, ticket.num_tokens, ticket.nonce
+
+    def expect(self, request_id: str, nonce: int) -> None:
+        """This rank will hold ``request_id`` with ``nonce`` soon: keep its early completions until then.
+
+        For embedders that learn the nonce before they can hold (a scheduler issued the ticket);
+        the expectation lapses after one lease. Without it, early completions are still kept for
+        ``early_completion_grace_s``.
+        """
+        self._check_open()
+        self._early.expect(request_id, int(nonce))
+
+    @property
+    def rank_card(self) -> RankCard:
+        """What this rank publishes to its engine's scheduler (engine/tickets.py): its bound address included."""
+        return RankCard(engine_id=self.engine_id, incarnation=self.incarnation, tp_rank=self.tp_rank,
+                        tp_size=self.tp_size, address=self.address, lease_s=float(self.config.lease_s),
+                        block_size=self.geometry.block_size, num_blocks=self.cache.num_blocks,
+                        group_kinds=self._kinds, fingerprint=self._digest, agent_name=self.agent.name)
 
     def is_held(self, request_id: str) -> bool:
         """Held and not ended (an aborting request is still held)."""
@@ -199,6 +299,16 @@ class Producer:
     def num_held_blocks(self) -> int:
         """Distinct blocks pinned by at least one request (ended ones waiting for step fences included)."""
         return self._book.num_pinned_blocks
+
+    @property
+    def notification_backlog(self) -> int:
+        """Notifications taken from NIXL and left for a later poll (at most notifications_per_poll per poll)."""
+        return len(self._inbox)
+
+    @property
+    def num_pending_handshakes(self) -> int:
+        """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see pending.py)."""
+        return len(self._pending)
 
     @property
     def terminal_counts(self) -> dict[str, int]:
@@ -236,14 +346,22 @@ class Producer:
         aborted) and the step fences of its blocks have passed.
         """
         self._check_open()
-        while True:
-            try:
-                self._known_agents.add(self._accepted.get_nowait())
-            except queue.Empty:
-                break
-        for sender, messages in self.agent.get_notifs().items():
-            for message in messages:
-                self._on_notification(sender, message)
+        self._pending.expire()
+        self.stats.handshakes_evicted = self._pending.num_evicted
+        self.stats.handshakes_expired = self._pending.num_expired
+        self._inbox.put(self.agent.get_notifs())  # every poll: it also progresses the target side of READs
+        if self._inbox.num_dropped > self.stats.notifications_dropped:
+            self._log.warning("backlog full", "producer %s: notification backlog full, %d dropped so far",
+                              self.agent.name, self._inbox.num_dropped)
+            self.stats.notifications_dropped = self._inbox.num_dropped
+        for sender, message in self._inbox.take():
+            self._on_notification(sender, message)
+        lapsed = self._early.prune()
+        if lapsed:
+            self.stats.early_lapsed += lapsed
+            log.info("producer %s: %d early completions found no hold in time", self.agent.name, lapsed)
+        self.stats.early_evicted = self._early.stats.evicted
+        self._log.flush()
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
@@ -261,15 +379,17 @@ class Producer:
             env, body = wire.decode(message)
         except WireDecodeError as exc:
             self.stats.malformed += 1
-            log.info("producer %s: malformed notification from %s: %s", self.agent.name, sender, exc)
+            self._log.log(logging.INFO, "malformed", "producer %s: malformed notification from %s: %s",
+                          self.agent.name, sender, exc)
             return
         if env.fingerprint != self._digest or not isinstance(body, _FROM_CONSUMERS) or (
                 isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
             self.stats.malformed += 1
             return
-        if sender not in self._known_agents:
+        if sender not in self._welcomed and sender not in self._pending:
             self.stats.unknown_agent += 1
-            log.warning("producer %s: notification from %s, which never handshaked", self.agent.name, sender)
+            self._log.warning("unknown agent", "producer %s: notification from %s, which never handshaked",
+                              self.agent.name, sender)
             return
         if isinstance(body, wire.Completion):
             self._on_completion(sender, body)
@@ -289,13 +409,19 @@ class Producer:
 
     def _on_completion(self, sender: str, body: wire.Completion) -> None:
         hold = self._book.get(body.request_id)
-        if hold is None:
+        if hold is None:  # not held yet (a scheduler issued the ticket) or any more: kept for its hold
             self.stats.unknown_request += 1
+            self._early.keep(sender, body)
+            self.stats.early_kept += 1
             return
         if body.nonce != hold.nonce:
             self.stats.bad_nonce += 1
-            log.warning("producer %s: wrong nonce for %r from %s", self.agent.name, body.request_id, sender)
+            self._log.warning("bad nonce", "producer %s: wrong nonce for %r from %s", self.agent.name,
+                              body.request_id, sender)
             return
+        self._count_report(sender, hold, body)
+
+    def _count_report(self, sender: str, hold: Hold, body: wire.Completion) -> None:
         heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)
         if heard is Heard.DUPLICATE:
             self.stats.duplicate += 1
@@ -323,15 +449,18 @@ class Producer:
             name = sender if sender in self._welcomed else self.agent.add_remote(body.agent_metadata)
         except EngineError as exc:
             self.stats.malformed += 1
-            log.warning("producer %s: Hello from %s with unusable metadata: %s", self.agent.name, sender, exc)
+            self._log.warning("bad hello", "producer %s: Hello from %s with unusable metadata: %s", self.agent.name,
+                              sender, exc)
             return
         if name != sender:
             self.stats.malformed += 1
-            log.warning("producer %s: Hello from %s carries the metadata of %s", self.agent.name, sender, name)
+            self._log.warning("bad hello", "producer %s: Hello from %s carries the metadata of %s", self.agent.name,
+                              sender, name)
             return
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
         if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))):
             self._welcomed.add(sender)
+            self._pending.discard(sender)
             self.stats.hellos += 1
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
@@ -356,7 +485,7 @@ class Producer:
 
     def _forget(self, agent: str) -> None:
         """A consumer agent reads nothing from here any more: drop it, and stop waiting for its acks."""
-        self._known_agents.discard(agent)
+        self._pending.discard(agent)
         self._welcomed.discard(agent)
         self._book.forget_agent(agent)
         try:

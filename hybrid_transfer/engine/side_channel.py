@@ -11,9 +11,26 @@ from collections.abc import Callable, Iterable
 
 import zmq
 
+from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
+
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the listener looks at its stop flag; close() waits at most this long
+
+
+def url_host(host: str) -> str:
+    """A host as it appears in a tcp:// address: IPv6 literals in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _limit_frames(sock: zmq.Socket) -> None:
+    """ZeroMQ drops a peer whose frame header announces more than MAX_MESSAGE_BYTES, before buffering it.
+
+    Without this a 1 GiB frame is received whole and only then refused by the decoder. The limit is per
+    frame: libzmq still assembles every frame of a multipart message before delivering it, and has no
+    cap on their number; ours are one frame (DEALER) or two (REQ).
+    """
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
 
 
 class HandshakeServer:
@@ -27,17 +44,22 @@ class HandshakeServer:
     ``close()`` is idempotent, stops the thread and waits for it.
     """
 
-    def __init__(self, host: str, port: int, respond: Callable[[bytes], bytes | None], *, name: str):
+    def __init__(self, host: str, port: int, respond: Callable[[bytes], bytes | None], *, name: str,
+                 advertise_host: str | None = None):
         self._respond = respond
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting consumer keeps its identity
+        _limit_frames(self._sock)
+        if ":" in host:
+            self._sock.setsockopt(zmq.IPV6, 1)
         if port:
-            self._sock.bind(f"tcp://{host}:{port}")
+            self._sock.bind(f"tcp://{url_host(host)}:{port}")
         else:
-            port = self._sock.bind_to_random_port(f"tcp://{host}")
-        self.address = f"tcp://{host}:{port}"
+            port = self._sock.bind_to_random_port(f"tcp://{url_host(host)}")
+        # What peers connect to: never the bind host when that is a wildcard (config.py checks).
+        self.address = f"tcp://{url_host(advertise_host or host)}:{port}"
         self.num_served = 0
         self.num_dropped = 0
         self._stop = threading.Event()
@@ -110,6 +132,9 @@ class HandshakeClient:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 64)
+            _limit_frames(sock)
+            if "[" in address:  # an IPv6 literal
+                sock.setsockopt(zmq.IPV6, 1)
             sock.connect(address)
             self._socks[address] = sock
             self._poller.register(sock, zmq.POLLIN)

@@ -144,6 +144,7 @@ class ReadResult:
     scatter_s: float = 0.0  # pack: the scatters into the local blocks, summed over sources
     num_packed_sources: int = 0  # sources read through staging
     num_fallback_sources: int = 0  # pack / auto sources read directly after all (staging absent or full)
+    unstaged_sources: tuple[int, ...] = ()  # pack / auto: source ranks that do not stage at all (read directly)
 
     @property
     def ok(self) -> bool:

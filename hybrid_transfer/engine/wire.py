@@ -12,6 +12,16 @@ Version log:
      renewal), Hello / Welcome (a consumer agent introduces itself over NIXL; the welcome lists
      revoked tickets), Revoke / RevokeAck (producer aborts and expiries), Bye (a consumer closes).
   2: pack mode (issue 6): StagingQuery / StagingReply, side channel only (defined at the end).
+  3: attention KV layout (issue 11): RankDescriptor.kv_layout ("interleaved", vLLM 0.33's
+     [heads][tokens][K|V], or "split" [K | V] halves), last and defaulted; the Fingerprint's
+     kv_layout now carries it (it was the constant "HND"), so a split side and an interleaved
+     side are refused at the handshake with kv_layout named in the diff.
+  4: geometry from a live engine (issue 12): RankDescriptor.conv_dtype, last and defaulted ("": the
+     model dtype), so a peer rebuilds a rank whose engine keeps conv state in another dtype. Tickets
+     are unchanged; their JSON form (engine/ticket_params.py) is not a wire message.
+  -: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
+     at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
+     (docs/limits.md).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -22,7 +32,8 @@ listener thread must stay a pure responder (side_channel.py).
 from __future__ import annotations
 
 import enum
-from typing import Any
+import re
+from typing import Annotated, Any
 
 import msgspec
 
@@ -30,8 +41,25 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 4
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
+
+# Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
+# is kept per accepted handshake) and leave the encoding unchanged, so they need no version bump.
+# Our own names are under 64 characters; vLLM request ids under 100.
+MAX_NAME_CHARS = 256  # agent names, engine ids, field names
+MAX_ADDRESS_CHARS = 256  # side-channel addresses ("tcp://host:port")
+MAX_REQUEST_ID_CHARS = 1024
+MAX_TEXT_CHARS = 16 << 10  # error messages
+MAX_NONCE = (1 << 63) - 1  # nonces and incarnations are non-negative int64 on every side
+
+Name = Annotated[str, msgspec.Meta(max_length=MAX_NAME_CHARS)]
+Address = Annotated[str, msgspec.Meta(max_length=MAX_ADDRESS_CHARS)]
+RequestId = Annotated[str, msgspec.Meta(max_length=MAX_REQUEST_ID_CHARS)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+Nonce = Annotated[int, msgspec.Meta(ge=0, le=MAX_NONCE)]
+Count = Annotated[int, msgspec.Meta(ge=0)]  # token counts, block ids, ranks, byte counts
+Seconds = Annotated[float, msgspec.Meta(ge=0)]
 
 
 class Kind(enum.IntEnum):
@@ -63,14 +91,14 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
 
     fingerprint: Fingerprint
     rank: RankDescriptor
-    agent_name: str
-    engine_id: str
+    agent_name: Name
+    engine_id: Name
 
 
 class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One equal-tier field that differs, with both values."""
 
-    field: str
+    field: Name
     consumer: Any
     producer: Any
 
@@ -79,12 +107,12 @@ class HandshakeReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
     """A producer rank's answer: its agent and cache, or why it refuses."""
 
     accepted: bool
-    error: str = ""
+    error: Text = ""
     differences: tuple[FieldDifference, ...] = ()
-    engine_id: str = ""
-    incarnation: int = 0
-    engine_addresses: tuple[str, ...] = ()  # side-channel address of every rank, index == tp_rank
-    agent_name: str = ""
+    engine_id: Name = ""
+    incarnation: Nonce = 0
+    engine_addresses: tuple[Address, ...] = ()  # side-channel address of every rank, index == tp_rank
+    agent_name: Name = ""
     agent_metadata: bytes = b""
     rank: RankDescriptor | None = None
 
@@ -96,16 +124,16 @@ class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticke
     ``lease_s`` is measured on the producer's clock; never compare it with another host's clock.
     """
 
-    engine_id: str
-    incarnation: int
-    addresses: tuple[str, ...]  # side-channel address of every producer rank, index == tp_rank
-    tp_size: int
-    request_id: str
-    nonce: int
-    block_ids: tuple[tuple[int, ...], ...]  # per cache group, tensor_map.groups order
-    num_tokens: int
-    state_position: int  # tokens folded into the recurrent state (== num_tokens under the N-1 rule)
-    lease_s: float
+    engine_id: Name
+    incarnation: Nonce
+    addresses: tuple[Address, ...]  # side-channel address of every producer rank, index == tp_rank
+    tp_size: Annotated[int, msgspec.Meta(ge=1)]
+    request_id: RequestId
+    nonce: Nonce
+    block_ids: tuple[tuple[Count, ...], ...]  # per cache group, tensor_map.groups order
+    num_tokens: Count
+    state_position: Count  # tokens folded into the recurrent state (== num_tokens under the N-1 rule)
+    lease_s: Annotated[float, msgspec.Meta(gt=0)]
     version: int = PROTOCOL_VERSION
 
     @property
@@ -124,9 +152,9 @@ class CompletionKind(enum.IntEnum):
 class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="completion"):
     """A consumer rank tells a producer rank it is finished with a request (DESIGN 3)."""
 
-    request_id: str
-    nonce: int
-    consumer_rank: int
+    request_id: RequestId
+    nonce: Nonce
+    consumer_rank: Count
     expected_consumers: int  # distinct consumer ranks this producer rank hears from for the request
     kind: CompletionKind = CompletionKind.DONE
 
@@ -134,27 +162,27 @@ class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="c
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
     """Answer to a message the listener could not decode."""
 
-    reason: str
+    reason: Text
 
 
 class RequestRef(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
     """A request as issued by one ticket: its id and the ticket's nonce."""
 
-    request_id: str
-    nonce: int
+    request_id: RequestId
+    nonce: Nonce
 
 
 class Heartbeat(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="heartbeat"):
     """A consumer rank still waits for or reads these requests: renew their leases (producer's clock)."""
 
-    consumer_rank: int
+    consumer_rank: Count
     requests: tuple[RequestRef, ...]
 
 
 class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="hello"):
     """A consumer agent, after its handshake, introduces itself so the producer rank can notify it."""
 
-    consumer_rank: int
+    consumer_rank: Count
     agent_metadata: bytes
 
 
@@ -162,14 +190,14 @@ class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="welc
     """The producer rank's answer to a Hello: tickets it no longer honours. No READ before it arrives."""
 
     revoked: tuple[RequestRef, ...]
-    lease_s: float  # how long the consumer must remember them (no live ticket outlasts this)
+    lease_s: Seconds  # how long the consumer must remember them (no live ticket outlasts this)
 
 
 class Revoke(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="revoke"):
     """The producer rank aborted a request (or its lease expired): never report it DONE; acknowledge."""
 
     request: RequestRef
-    lease_s: float  # how long the consumer must remember the revocation
+    lease_s: Seconds  # how long the consumer must remember the revocation
 
 
 class RevokeAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="revoke_ack"):
@@ -181,7 +209,7 @@ class RevokeAck(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="re
 class Bye(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="bye"):
     """A consumer agent is closing: forget it (it reads nothing any more)."""
 
-    consumer_rank: int
+    consumer_rank: Count
 
 
 Body = (HandshakeRequest | HandshakeReply | Completion | ErrorReply | Heartbeat | Hello | Welcome | Revoke
@@ -258,16 +286,66 @@ def decode_ticket(data: bytes) -> Ticket:
     """A ticket from bytes (as handed over by the embedder).
 
     Raises:
-        WireDecodeError: not a ticket, or of another protocol version.
+        WireDecodeError: not a ticket, a field of the wrong type or out of range (named with its
+            value), or of another protocol version.
     """
     try:
         ticket = _TICKET_DECODER.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError) as exc:
+    except msgspec.ValidationError as exc:
+        raise WireDecodeError(f"invalid ticket: {_named(data, exc)}", kind="ticket") from exc
+    except (msgspec.DecodeError, TypeError) as exc:
         raise WireDecodeError(f"not a ticket: {exc}") from exc
     if ticket.version != PROTOCOL_VERSION:
         raise WireDecodeError(f"ticket of protocol version {ticket.version}, this side speaks {PROTOCOL_VERSION}",
                               version=ticket.version, kind="ticket")
     return ticket
+
+
+def check_ticket(ticket: object) -> Ticket:
+    """An in-process ticket, checked exactly as one decoded from bytes (msgspec does not check at construction).
+
+    Raises:
+        WireDecodeError: not a Ticket, or a field that could not travel (named with its value).
+    """
+    if not isinstance(ticket, Ticket):
+        raise WireDecodeError(f"expected a Ticket, got {type(ticket).__name__} (decode bytes with decode_ticket)",
+                              kind="ticket")
+    try:
+        data = encode_ticket(ticket)
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        for field in Ticket.__struct_fields__:
+            value = getattr(ticket, field)
+            try:
+                _ENCODER.encode(value)
+            except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+                raise WireDecodeError(f"invalid ticket: {field}={_short(value)} cannot be encoded: {exc}",
+                                      kind="ticket") from exc
+        raise
+    return decode_ticket(data)
+
+
+_PATH_STEP = re.compile(r"\.([A-Za-z_]\w*)|\[(\d+)\]")
+
+
+def _named(data: bytes, exc: msgspec.ValidationError) -> str:
+    """msgspec's message led by the offending field and its value: 'num_tokens=-1: Expected `int` >= 0 ...'."""
+    message = str(exc)
+    head, sep, path = message.rpartition(" - at `$")
+    if not sep:
+        return message
+    path = path.rstrip("`")
+    try:
+        value = msgspec.msgpack.decode(data)
+        for key, index in _PATH_STEP.findall(path):
+            value = value[key] if key else value[int(index)]
+    except (msgspec.DecodeError, KeyError, IndexError, TypeError):
+        return message
+    return f"{path.lstrip('.')}={_short(value)}: {head}"
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} long)"
 
 
 # ---- pack mode (issue 6): where a producer rank staged a request (engine/stager.py) ---------------
@@ -277,9 +355,9 @@ def decode_ticket(data: bytes) -> Ticket:
 class StagingQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staging_query"):
     """A consumer rank asks a producer rank where it staged a request (pack mode)."""
 
-    request_id: str
-    nonce: int
-    consumer_rank: int
+    request_id: RequestId
+    nonce: Nonce
+    consumer_rank: Count
 
 
 class StagingStatus(enum.IntEnum):
@@ -291,7 +369,7 @@ class StagingStatus(enum.IntEnum):
 class StagingReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staging_reply"):
     """A producer rank's answer to a StagingQuery."""
 
-    request_id: str
+    request_id: RequestId
     status: StagingStatus
     addr: int = 0
     nbytes: int = 0

@@ -1,0 +1,1 @@
+"""Embeddings into serving engines; each subpackage imports its engine, the core never does."""

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from hybrid_transfer.layout.geometry import KVLayout, RankGeometry
+from hybrid_transfer.layout.geometry import RankGeometry
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -53,7 +53,7 @@ def fingerprint_of(geometry: RankGeometry, *, n_minus_one: bool = True) -> Finge
         kv_dtype=geometry.kv_dtype.value,
         conv_dtype=geometry.conv_dtype.value,
         ssm_dtype=geometry.ssm_dtype.value,
-        kv_layout=KVLayout.HND.value,
+        kv_layout=geometry.kv_layout.value,
         conv_layout=geometry.conv_layout.value,
         ssm_order=geometry.ssm_order.value,
         n_minus_one=n_minus_one,

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from hybrid_transfer.errors import ConfigError, ShardingError
 from hybrid_transfer.layout.model import DType, ModelSpec
 from hybrid_transfer.layout.tensor_map import TensorMap, build_tensor_map
+
+if TYPE_CHECKING:
+    from hybrid_transfer.layout.engine_spec import EngineRankSpec
 
 DEFAULT_ALIGNMENT = 16  # FlashAttention's smallest kernel block
 
@@ -34,7 +39,16 @@ class SsmOrder(enum.Enum):
 
 
 class KVLayout(enum.Enum):
-    HND = "HND"
+    """Byte order of an attention kernel block (docs/layout.md, "Attention pages").
+
+    INTERLEAVED: ``[heads][tokens][K|V]``, the flash-attn shape ``[blocks, heads, tokens, 2*head_dim]``
+    that vLLM 0.33 allocates for every attention backend (its ``LBHNC``, which vLLM also calls ``HND``).
+    SPLIT: ``[K | V]`` halves, each ``[heads][tokens][head_dim]``: older vLLM.
+    Neither name is ``HND``: vLLM uses that for the interleaved order, this project once used it for split.
+    """
+
+    SPLIT = "split"
+    INTERLEAVED = "interleaved"
 
 
 class ConvSegment(enum.IntEnum):
@@ -44,10 +58,13 @@ class ConvSegment(enum.IntEnum):
 
 
 class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """How a serving engine lays out its cache; defaults match vLLM with DS conv state.
+    """How a serving engine lays out its cache; defaults match vLLM 0.33 with DS conv state.
 
     block_size: logical block size in tokens; None derives it by page-size
-    unification (DESIGN 2.3). kernel_block_size: None means equal to block_size.
+    unification (docs/layout.md). kernel_block_size: None means equal to block_size
+    (ratio 1, as vLLM 0.33 with FlashAttention). Plain strings ("DS", "fp8", "split")
+    are accepted and coerced to the enums; anything else raises ConfigError naming it,
+    because an unchecked string would silently take the wrong branch of a view.
     """
 
     kv_dtype: DType | None = None  # None: the model dtype
@@ -57,6 +74,42 @@ class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kernel_block_size: int | None = None
     conv_layout: ConvLayout = ConvLayout.DS
     ssm_order: SsmOrder = SsmOrder.V_D_K
+    kv_layout: KVLayout = KVLayout.INTERLEAVED
+    conv_dtype: DType | None = None  # None: the model dtype (an engine may keep conv state in another)
+
+    def __post_init__(self) -> None:
+        for name in ("kv_dtype", "ssm_dtype", "conv_dtype"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, DType):
+                if not isinstance(value, str):
+                    raise ConfigError(f"{name}={value!r} must be a dtype name or DType", field=name, value=value)
+                msgspec.structs.force_setattr(self, name, DType.parse(value, field=name))
+        for name, enum_type in (("conv_layout", ConvLayout), ("ssm_order", SsmOrder), ("kv_layout", KVLayout)):
+            value = getattr(self, name)
+            if not isinstance(value, enum_type):
+                msgspec.structs.force_setattr(self, name, _coerce_enum(enum_type, name, value))
+        for name in ("alignment", "block_size", "kernel_block_size"):
+            value = getattr(self, name)
+            if value is None and name != "alignment":
+                continue
+            # bool is an int subclass: True would silently mean a block of one token.
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigError(f"{name}={value!r} must be an integer", field=name, value=value)
+            if type(value) is not int:  # numpy integers: plain ints keep msgspec encoding and hashing simple
+                msgspec.structs.force_setattr(self, name, int(value))
+
+
+def _coerce_enum(enum_type: type[enum.Enum], name: str, value: object) -> enum.Enum:
+    """Member of ``enum_type`` whose value or name equals ``value`` (case-insensitive for strings)."""
+    if isinstance(value, str):
+        for member in enum_type:
+            if value in (member.value, member.name) or value.lower() in (member.value.lower(), member.name.lower()):
+                return member
+    choices = ", ".join(repr(m.value) for m in enum_type)
+    hint = ""
+    if enum_type is KVLayout and isinstance(value, str) and value.upper() in ("HND", "LBHNC"):
+        hint = " (vLLM 0.33 calls its interleaved [heads][tokens][K|V] order HND / LBHNC: use 'interleaved')"
+    raise ConfigError(f"{name}={value!r} is not one of {choices}{hint}", field=name, value=value)
 
 
 class RankGeometry:
@@ -73,12 +126,25 @@ class RankGeometry:
         self.options = options or CacheOptions()
         _check_sharding(model, tp_size, tp_rank)
         self.kv_dtype = self.options.kv_dtype or model.dtype
-        self.conv_dtype = model.dtype
+        self.conv_dtype = self.options.conv_dtype or model.dtype
         self.ssm_dtype = self.options.ssm_dtype or model.ssm_dtype
         self.conv_layout = self.options.conv_layout
         self.ssm_order = self.options.ssm_order
+        self.kv_layout = self.options.kv_layout
         self.tensor_map: TensorMap = build_tensor_map(model)
         self._check_block_sizes()
+
+    @classmethod
+    def from_engine_specs(cls, model: ModelSpec, tp_size: int, tp_rank: int, spec: EngineRankSpec) -> RankGeometry:
+        """The geometry of a live engine's rank, checked against the registry (layout/engine_spec.py).
+
+        Raises:
+            EngineSpecMismatch: every disagreement (head count, shapes, layer-to-slot map, groups,
+                block sizes, page size), each named with both values.
+        """
+        from hybrid_transfer.layout.engine_spec import geometry_from_engine_spec
+
+        return geometry_from_engine_spec(model, tp_size, tp_rank, spec)
 
     # ---- attention ---------------------------------------------------------
     @property
@@ -208,8 +274,32 @@ class RankGeometry:
 
     @property
     def kv_half_bytes(self) -> int:
-        """One K (or V) half of one kernel block: heads_local x kernel_block_size x head_dim."""
+        """K (or V) bytes of one kernel block: heads_local x kernel_block_size x head_dim (one range only in split)."""
         return self.kernel_block_bytes // 2
+
+    @property
+    def is_interleaved(self) -> bool:
+        return self.kv_layout is KVLayout.INTERLEAVED
+
+    @property
+    def kv_token_stride(self) -> int:
+        """Bytes from one token to the next inside a head: K|V of a token in interleaved, K (or V) in split."""
+        return 2 * self.head_token_bytes if self.is_interleaved else self.head_token_bytes
+
+    @property
+    def kv_head_stride(self) -> int:
+        """Bytes from one head slot to the next inside a kernel block (the K half's heads in split)."""
+        return self.kernel_block_size * self.kv_token_stride
+
+    @property
+    def kv_half_stride(self) -> int:
+        """Bytes from K to V of the same (head, token): a whole half in split, one head_dim in interleaved."""
+        return self.head_token_bytes if self.is_interleaved else self.kv_half_bytes
+
+    @property
+    def kv_halves_per_run(self) -> int:
+        """Halves one contiguous token run of a head carries: 2 (K|V) in interleaved, 1 in split."""
+        return 2 if self.is_interleaved else 1
 
     @property
     def num_tensors(self) -> int:
@@ -223,13 +313,17 @@ class RankGeometry:
 
     # ---- byte offsets inside a shared tensor ------------------------------
     def kv_offset(self, block_id: int, kernel_index: int, half: int, head_slot: int = 0, token: int = 0) -> int:
-        """Offset of (K if half == 0 else V, local head slot, token) inside a kernel block of a page."""
+        """Offset of (K if half == 0 else V, local head slot, token) inside a kernel block of a page.
+
+        split: ``half * kv_half_bytes + (head_slot * kernel_block_size + token) * head_token_bytes``;
+        interleaved: ``((head_slot * kernel_block_size + token) * 2 + half) * head_token_bytes``.
+        """
         return (
             block_id * self.page_bytes
             + kernel_index * self.kernel_block_bytes
-            + half * self.kv_half_bytes
-            + head_slot * self.kernel_block_size * self.head_token_bytes
-            + token * self.head_token_bytes
+            + half * self.kv_half_stride
+            + head_slot * self.kv_head_stride
+            + token * self.kv_token_stride
         )
 
     def conv_segment_offset(self, block_id: int, segment: ConvSegment) -> int:
@@ -269,10 +363,12 @@ class RankGeometry:
             "num_fa_layers": len(self.model.attention_layers),
             "num_gdn_layers": len(self.model.gdn_layers),
             "conv_layout": self.conv_layout.value,
+            "kv_layout": self.kv_layout.value,
         }
 
     def __repr__(self) -> str:
-        return f"RankGeometry({self.model.name}, tp={self.tp_rank}/{self.tp_size}, block_size={self.block_size})"
+        return (f"RankGeometry({self.model.name}, tp={self.tp_rank}/{self.tp_size}, block_size={self.block_size}, "
+                f"kv_layout={self.kv_layout.value})")
 
     def _check_block_sizes(self) -> None:
         o = self.options

@@ -200,13 +200,60 @@ def model_from_config(config: Mapping[str, Any], *, name: str = "custom") -> Mod
     )
 
 
-def load_config_file(path: str | Path) -> ModelSpec:
-    """Load a user's own config.json."""
+MAX_CONFIG_BYTES = 16 << 20  # a model's config.json is a few KiB
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config.json as a dict.
+
+    Raises:
+        ConfigError: the path is missing, not a regular file, unreadable, larger than
+            MAX_CONFIG_BYTES, not UTF-8, not JSON, nested too deeply to parse, or not a JSON object.
+    """
     p = Path(path)
+
+    def bad(why: str) -> ConfigError:
+        return ConfigError(f"config file {str(p)!r} {why}", field="config", value=str(p))
+
     try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(p)!r} does not exist", field="config", value=str(p)) from None
+        if not p.exists():
+            raise bad("does not exist")
+        if not p.is_file():
+            raise bad("is not a file (a directory or a device?); pass the path of a config.json")
+        if p.stat().st_size > MAX_CONFIG_BYTES:
+            raise bad(f"is larger than {MAX_CONFIG_BYTES} bytes; a model config is a few KiB")
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise bad(f"cannot be read: {exc.strerror or exc}") from exc
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise bad(f"is not UTF-8 text (byte {exc.start} is {raw[exc.start:exc.start + 1]!r})") from None
+    try:
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"config file {str(p)!r} is not valid JSON: {exc}", field="config", value=str(p)) from exc
-    return model_from_config(data, name=p.parent.name or p.stem)
+        raise bad(f"is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise bad("is nested too deeply to be a model config") from None
+    if not isinstance(data, dict):
+        raise bad(f"must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def load_config_file(path: str | Path) -> ModelSpec:
+    """Load a user's own config.json (errors as in ``read_config_file``)."""
+    p = Path(path)
+    return model_from_config(read_config_file(p), name=p.parent.name or p.stem)
+
+
+def context_tokens(config: Mapping[str, Any]) -> int | None:
+    """The longest sequence the model was built for (``max_position_embeddings``), or None when not stated."""
+    cfg = config.get("text_config", config)
+    value = cfg.get("max_position_embeddings", config.get("max_position_embeddings")) if isinstance(
+        cfg, Mapping) else None
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"max_position_embeddings={value!r} must be a positive integer",
+                          field="max_position_embeddings", value=value)
+    return value

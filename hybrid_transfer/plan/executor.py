@@ -1,7 +1,7 @@
 """Apply a ReadPlan to plain memory: the dry-run and test stand-in for NIXL.
 
 A MemorySpace maps absolute address ranges to writable uint8 numpy buffers
-(for a CPU torch tensor: ``space.register(t.data_ptr(), t.numpy())``). Pack
+(for a CPU HybridCache: ``hybrid_transfer.memory_space(cache)``). Pack
 plans go through temporary staging buffers exactly as the engine would:
 gather on the source, one "read" of the staging range, scatter on arrival.
 """

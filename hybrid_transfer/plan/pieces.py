@@ -25,6 +25,8 @@ class SegmentFrame:
 
     ``*_block`` index a side's block-id list; ``*_const`` is the segment start's
     offset inside that logical block (kernel block and token, head 0, K half).
+    ``head_bytes`` is one head's run over the segment's tokens: K (or V) only in
+    split, K and V together in interleaved.
     """
 
     num_tokens: int
@@ -40,7 +42,11 @@ class SegmentFrame:
 
 
 def segment_frame(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> SegmentFrame:
-    """Cut [0, num_tokens) at multiples of both kernel block sizes (logical blocks end on those too)."""
+    """Cut [0, num_tokens) at multiples of both kernel block sizes (logical blocks end on those too).
+
+    ``num_tokens`` is the end of the token range to move: the request's tokens, or for naive mode
+    the end of the last page both sides hold (``naive_token_end``).
+    """
     n = num_tokens
     kb_l, kb_r = local.kernel_block_size, remote.kernel_block_size
     cuts = np.union1d(np.arange(kb_l, n, kb_l, dtype=np.int64), np.arange(kb_r, n, kb_r, dtype=np.int64))
@@ -52,11 +58,23 @@ def segment_frame(num_tokens: int, local: RankGeometry, remote: RankGeometry) ->
         within = t0 - block * geo.block_size
         kidx = within // geo.kernel_block_size
         tok = within - kidx * geo.kernel_block_size
-        return block, kidx * geo.kernel_block_bytes + tok * geo.head_token_bytes
+        return block, kidx * geo.kernel_block_bytes + tok * geo.kv_token_stride
 
     lb, lc = side(local)
     rb, rc = side(remote)
-    return SegmentFrame(n, lb, lc, rb, rc, (t1 - t0) * local.head_token_bytes)
+    return SegmentFrame(n, lb, lc, rb, rc, (t1 - t0) * local.kv_token_stride)
+
+
+def naive_token_end(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> int:
+    """Where naive mode stops: the end of the request's last logical page on the side whose pages end first.
+
+    vLLM moves whole pages, the unused tail of the last one included; a tail beyond the other
+    side's last page has nowhere to land, so the shorter side bounds it.
+    """
+    if num_tokens <= 0:
+        return 0
+    return min(local.num_blocks_for_tokens(num_tokens) * local.block_size,
+               remote.num_blocks_for_tokens(num_tokens) * remote.block_size)
 
 
 @dataclass
@@ -78,7 +96,12 @@ def segment_offsets(frame: SegmentFrame, local_ids: np.ndarray, remote_ids: np.n
 
 def kv_pieces(frame: SegmentFrame, kv: KVTemplate, seg_l: np.ndarray, seg_r: np.ndarray, group: int,
               with_key: bool) -> Pieces:
-    """One piece per (segment, half, head slot) of one attention group, segment-major."""
+    """One piece per (segment, half, head slot) of one attention group, segment-major.
+
+    The naive key is (group, segment, half): a segment lies in one source kernel page and one
+    destination kernel page, so merging equal keys gives vLLM's one descriptor per (slot, source
+    page, destination page), heads merged where they are one range on both sides.
+    """
     c = kv.half.shape[0]
     loc = (seg_l[:, None] + kv.local_const[None, :]).ravel()
     rem = (seg_r[:, None] + kv.remote_const[None, :]).ravel()

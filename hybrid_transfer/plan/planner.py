@@ -21,6 +21,7 @@ from hybrid_transfer.plan.pieces import (
     SegmentFrame,
     concat,
     kv_pieces,
+    naive_token_end,
     segment_frame,
     segment_offsets,
     state_pieces,
@@ -45,7 +46,7 @@ from hybrid_transfer.plan.validate import (
 )
 
 _FRAME_CACHE_SIZE = 64
-_EQUAL_FIELDS = ("kv_dtype", "ssm_dtype", "conv_layout", "ssm_order")
+_EQUAL_FIELDS = ("kv_dtype", "ssm_dtype", "conv_layout", "ssm_order", "kv_layout")
 
 
 class Planner:
@@ -159,16 +160,24 @@ class Planner:
         return self.topology.notify
 
     def expected_bytes(self, num_tokens: int) -> int:
-        """Bytes this rank receives for a request (``validate.expected_bytes``, precomputed)."""
+        """Valid payload bytes this rank receives for a request (``validate.expected_bytes``, precomputed)."""
         return num_tokens * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
+
+    def planned_bytes(self, num_tokens: int, mode: PlanMode = PlanMode.COALESCED) -> int:
+        """Bytes a plan of ``mode`` moves: the valid payload, except naive, which moves whole pages like vLLM."""
+        if PlanMode(mode) is PlanMode.NAIVE:
+            end = naive_token_end(num_tokens, self.local, self.remote)
+            return end * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
+        return self.expected_bytes(num_tokens)
 
     def plan(self, local_block_ids: Sequence[Sequence[int]], remote_block_ids: Sequence[Sequence[int]],
              num_tokens: int, mode: PlanMode = PlanMode.COALESCED, *, validate: bool = True) -> ReadPlan:
         """Plan one request: block ids per cache group (tensor_map.groups order) on each side.
 
         Raises:
-            PlanError and its subclasses (GroupCountError, BlockCountError, BlockIdError,
-            DuplicateBlockError, RangeError, OverlapError, ByteCountError) when ``validate``.
+            PlanError: when ``validate``, a subclass naming the bad values (GroupCountError,
+                BlockCountError, BlockIdError, DuplicateBlockError, RangeError, OverlapError,
+                ByteCountError).
         """
         mode = PlanMode(mode)
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
@@ -191,8 +200,9 @@ class Planner:
             sources=tuple(sources),
             notify=self.topology.notify,
             num_tokens=num_tokens,
-            expected_bytes=self.expected_bytes(num_tokens),
-            meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources}},
+            expected_bytes=self.planned_bytes(num_tokens, mode),
+            meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
+                  "valid_bytes": self.expected_bytes(num_tokens), "kv_layout": self.local.kv_layout.value},
         )
         if validate:
             validate_plan(plan, self._local_regions, self._remote_regions)
@@ -218,19 +228,20 @@ class Planner:
         return PackSourcePlan(source_rank, e, e, e, e, self.local_desc.device_id,
                               self.remote_descs[source_rank].device_id)
 
-    def _frame(self, num_tokens: int) -> SegmentFrame:
-        frame = self._frames.get(num_tokens)
+    def _frame(self, token_end: int) -> SegmentFrame:
+        frame = self._frames.get(token_end)
         if frame is None:
             if len(self._frames) >= _FRAME_CACHE_SIZE:
                 self._frames.pop(next(iter(self._frames)))
-            frame = self._frames[num_tokens] = segment_frame(num_tokens, self.local, self.remote)
+            frame = self._frames[token_end] = segment_frame(token_end, self.local, self.remote)
         return frame
 
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
                        mode: PlanMode) -> tuple[SourcePlan | PackSourcePlan, ...]:
         """Pieces of every source at once, one merge, one broadcast over tensors, then one plan per source."""
         naive = mode is PlanMode.NAIVE
-        frame = self._frame(num_tokens)
+        # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
+        frame = self._frame(naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens)
         lp, rp = self._local_page, self._remote_page
         parts: list[Pieces] = []
         if not self._kv.is_empty:

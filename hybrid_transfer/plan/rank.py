@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from hybrid_transfer.errors import PlanError
-from hybrid_transfer.layout.geometry import CacheOptions, ConvLayout, RankGeometry, SsmOrder
+from hybrid_transfer.layout.geometry import CacheOptions, ConvLayout, KVLayout, RankGeometry, SsmOrder
 from hybrid_transfer.layout.model import DType, ModelSpec
 
 
@@ -32,6 +32,8 @@ class RankDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     is_cuda: bool = False
     conv_segment_bytes: tuple[int, int, int] = (0, 0, 0)
     ssm_bytes: int = 0
+    kv_layout: str = KVLayout.INTERLEAVED.value  # protocol 3
+    conv_dtype: str = ""  # protocol 4: the conv state's dtype when an engine overrides it ("": the model dtype)
 
     @property
     def region_bytes(self) -> int:
@@ -60,6 +62,8 @@ def describe_rank(geometry: RankGeometry, tensor_addrs: tuple[int, ...] | list[i
         is_cuda=is_cuda,
         conv_segment_bytes=geometry.conv_segment_bytes,
         ssm_bytes=geometry.ssm_bytes,
+        kv_layout=geometry.kv_layout.value,
+        conv_dtype=geometry.conv_dtype.value,
     )
 
 
@@ -76,6 +80,8 @@ def geometry_from_descriptor(model: ModelSpec, desc: RankDescriptor) -> RankGeom
         kernel_block_size=desc.kernel_block_size,
         conv_layout=ConvLayout(desc.conv_layout),
         ssm_order=SsmOrder(desc.ssm_order),
+        kv_layout=desc.kv_layout,
+        conv_dtype=DType(desc.conv_dtype) if desc.conv_dtype else None,
     )
     geometry = RankGeometry(model, desc.tp_size, desc.tp_rank, options)
     for name, ours, theirs in (

@@ -5,7 +5,8 @@ block sizes), so the order cannot be any one consumer's. It is the producer's ow
 whatever a consumer rank reads from it is a few contiguous ranges:
 
 - KV first, head slot outermost: (head slot, attention group, tensor, K/V half, kernel block in
-  token order); an atom is the valid tokens of one head in one kernel-block half. A consumer
+  token order); an atom is the valid tokens of one head in one kernel-block half (split layout),
+  or of one head in one kernel block, K and V together (interleaved: no half axis). A consumer
   reads whole heads over every token and layer, so its KV share is one range.
 - State next, "fine share" outermost: the rank's key heads and value heads split into
   F = gcd(key heads, value heads) shares, share f holding its Q and K channels, its V channels
@@ -108,7 +109,7 @@ def stage_layout(geometry: RankGeometry, tensor_addrs: Sequence[int], block_ids:
 
 
 def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Shape (head slot, group, tensor, half, kernel block), flattened."""
+    """Shape (head slot, group, tensor, half, kernel block), flattened; the half axis has length 1 in interleaved."""
     if not attn:
         return _EMPTY, _EMPTY
     kb = g.kernel_block_size
@@ -122,11 +123,11 @@ def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[np.ndarray], n: int)
     # [group, kernel block]: offset of the kernel block's K half, head slot 0, inside its tensor.
     kblock = np.stack([ids[q // g.kernel_ratio] * g.page_bytes for ids in attn]) + (q % g.kernel_ratio) * \
         g.kernel_block_bytes
-    heads = np.arange(g.num_kv_heads_local, dtype=np.int64) * kb * g.head_token_bytes
-    halves = np.arange(2, dtype=np.int64) * g.kv_half_bytes
+    heads = np.arange(g.num_kv_heads_local, dtype=np.int64) * g.kv_head_stride
+    halves = np.arange(2 // g.kv_halves_per_run, dtype=np.int64) * g.kv_half_stride
     addr = (heads[:, None, None, None, None] + kblock[None, :, None, None, :] + base[None, None, :, None, None]
             + halves[None, None, None, :, None])
-    length = np.broadcast_to(valid * g.head_token_bytes, addr.shape)
+    length = np.broadcast_to(valid * g.kv_token_stride, addr.shape)
     return addr.ravel(), np.ascontiguousarray(length).ravel()
 
 

@@ -33,6 +33,8 @@ class KVTemplate:
 
     Row c reads head ``remote_slot[c]`` of half ``half[c]`` into local slot ``local_slot[c]``;
     ``local_const`` / ``remote_const`` are that half and slot's offset at token 0 of the kernel block.
+    In the interleaved layout a head's token run holds K and V together, so there is one row per
+    slot (half 0, standing for both halves); in split, a K row and a V row.
     """
 
     half: np.ndarray
@@ -84,15 +86,18 @@ def assign_kv_heads(local: RankGeometry, sources: dict[int, RankGeometry]) -> di
 
 
 def kv_template(local: RankGeometry, source: RankGeometry, pairs: list[tuple[int, int]]) -> KVTemplate:
-    """Offsets of each (half, slot) read inside a kernel block, K rows before V rows."""
+    """Offsets of each (half, slot) read inside a kernel block, K rows before V rows (one row per slot if interleaved).
+
+    Both sides share one KV layout (the planner checks it), so one row shape fits both.
+    """
     slots = np.array(pairs, dtype=np.int64).reshape(-1, 2)
     n = slots.shape[0]
-    half = np.repeat(np.arange(2, dtype=np.int64), n)
-    local_slot = np.tile(slots[:, 0], 2)
-    remote_slot = np.tile(slots[:, 1], 2)
-    htb = local.head_token_bytes
-    local_const = half * local.kv_half_bytes + local_slot * local.kernel_block_size * htb
-    remote_const = half * source.kv_half_bytes + remote_slot * source.kernel_block_size * source.head_token_bytes
+    num_halves = 2 // local.kv_halves_per_run
+    half = np.repeat(np.arange(num_halves, dtype=np.int64), n)
+    local_slot = np.tile(slots[:, 0], num_halves)
+    remote_slot = np.tile(slots[:, 1], num_halves)
+    local_const = half * local.kv_half_stride + local_slot * local.kv_head_stride
+    remote_const = half * source.kv_half_stride + remote_slot * source.kv_head_stride
     return KVTemplate(half, local_slot, remote_slot, local_const, remote_const)
 
 

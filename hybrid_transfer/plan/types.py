@@ -9,7 +9,9 @@ import numpy as np
 
 
 class PlanMode(enum.Enum):
-    NAIVE = "naive"  # one descriptor per (region, kernel block, sub-region): vLLM's dual views, the baseline
+    # vLLM 0.33's own scheme, the baseline: one descriptor per (shared tensor, source kernel page, destination
+    # kernel page) moving whole pages (tail of the last one included), and per GDN layer conv Q, K, V and ssm.
+    NAIVE = "naive"
     COALESCED = "coalesced"  # every range contiguous on both sides merged
     PACK = "pack"  # gather on the source into staging, one read, scatter on the destination
     AUTO = "auto"  # cost model chooses
@@ -95,7 +97,7 @@ class ReadPlan:
     sources: tuple[SourcePlan | PackSourcePlan, ...]
     notify: tuple[Notification, ...]
     num_tokens: int
-    expected_bytes: int
+    expected_bytes: int  # bytes the plan moves: valid payload, page-rounded attention for naive
     meta: dict = field(default_factory=dict)
 
     @property

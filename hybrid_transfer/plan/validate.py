@@ -115,7 +115,9 @@ def validate_plan(plan: ReadPlan, local_regions: RegionTable, remote_regions: Ma
     """Ranges inside registered regions on both sides, no overlapping destinations, bytes as expected.
 
     Raises:
-        RangeError, OverlapError, ByteCountError.
+        RangeError: a range outside the registered regions.
+        OverlapError: two destination ranges overlap.
+        ByteCountError: the bytes differ from what the request needs.
     """
     rows = []
     for src in plan.sources:

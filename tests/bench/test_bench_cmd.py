@@ -32,10 +32,12 @@ def test_p1_d1_verified_run_reports_every_figure(tmp_path):
     doc = json.loads(out.read_text())
     assert (doc["preset"], doc["prefill_tp"], doc["decode_tp"]) == ("qwen3.5-0.8b", 1, 1)
     assert (doc["tokens"], doc["requests"], doc["device"], doc["mode"]) == (600, 3, "cpu", "coalesced")
+    assert doc["kv_layout"] == "interleaved"
     assert doc["verified"] is True
     assert all(v["verified"] for v in doc["variants"].values())
     assert doc["gbps"] > 0 and doc["naive_gbps"] > 0 and doc["ceiling_gbps"] > 0
     geo = RankGeometry(load_preset("qwen3.5-0.8b"), 1, 0)
+    # Valid payload for every variant, naive included (it moves whole 544-token pages: 1088 tokens of KV).
     assert doc["payload_bytes_per_request"] == 600 * geo.kv_bytes_per_token * 6 + geo.state_bytes_per_request
     assert doc["naive_descriptors_per_request"] > doc["descriptors_per_request"] > 1
     assert doc["ceiling_descriptors_per_request"] == 1
@@ -53,9 +55,10 @@ def test_fan_out_sweep_with_naive_mode_and_plot(tmp_path):
     plot = tmp_path / "bench.png"
     proc, out = _bench(tmp_path, "--decode-tp", "2", "--mode", "naive", "--tokens", "64", "--requests", "2",
                        "--warmup", "1", "--sweep", "fragmentation", "--sweep-values", "0,1", "--verify",
-                       "--plot", str(plot))
+                       "--plot", str(plot), "--kv-layout", "split")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
+    assert doc["kv_layout"] == "split"
     assert doc["sweep"] == "fragmentation" and doc["sweep_values"] == [0.0, 1.0]
     assert doc["verified"] is True and len(doc["points"]) == 2
     for point in doc["points"]:
@@ -92,3 +95,5 @@ def test_pack_mode_runs_or_is_refused_clearly(tmp_path):
 def test_bad_flags_exit_with_the_field_named(tmp_path):
     proc, _ = _bench(tmp_path, "--prefill-tp", "2", "--decode-tp", "3")
     assert proc.returncode == 2 and "decode_tp" in proc.stderr
+    proc, _ = _bench(tmp_path, "--kv-layout", "HND")
+    assert proc.returncode == 2 and "--kv-layout" in proc.stderr

@@ -25,6 +25,7 @@ def test_defaults_are_a_small_valid_run():
     ({"warmup": -1}, "warmup"),
     ({"rounds": 0}, "rounds"),
     ({"kv_dtype": "int4"}, "kv_dtype"),
+    ({"kv_layout": "HND"}, "kv_layout"),
     ({"decode_gpus": ()}, "decode_gpus"),
     ({"prefill_gpus": (-1,)}, "prefill_gpus"),
     ({"sweep_values": (0.5,)}, "sweep_values"),

@@ -215,10 +215,11 @@ def _op_consumer_status(state, key):
     return {"num_active": c.num_active, "stats": asdict(c.stats), "agent_name": c.agent.name}
 
 
-def _op_check(state, key, layouts_and_seeds):
+def _op_check(state, key, layouts_and_seeds, skip_attention_tails=False):
     from hybrid_transfer.verify import check_destination_many
 
-    check_destination_many(state.ranks[key].engine.cache, layouts_and_seeds)
+    check_destination_many(state.ranks[key].engine.cache, layouts_and_seeds,
+                           skip_attention_tails=skip_attention_tails)
 
 
 def _op_connect(state, key, address, timeout_s):

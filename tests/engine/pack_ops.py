@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ class PackResult:
     scatter_s: float
     post_to_done_s: float
     error: str | None = None
+    unstaged_sources: tuple[int, ...] = ()
 
 
 def create_rank(state, key, spec: RankSpec, is_producer: bool, config, device: str, engine_id: str,
@@ -87,7 +89,7 @@ def wait_results(state, key, request_ids, timeout_s) -> list[PackResult]:
             continue
         out.append(PackResult(rid, r.state.value, r.num_bytes, r.num_descriptors, r.num_packed_sources,
                               r.num_fallback_sources, r.gather_s, r.read_s, r.scatter_s, r.finished_at - r.posted_at,
-                              f"{type(r.error).__name__}: {r.error}" if r.error else None))
+                              f"{type(r.error).__name__}: {r.error}" if r.error else None, r.unstaged_sources))
     return out
 
 
@@ -98,11 +100,34 @@ def pack_status(state, key) -> dict:
     engine = state.ranks[key].engine
     if state.ranks[key].is_producer:
         stager = engine.stager
+        if stager is None:  # a producer that does not stage (not in pack or auto mode)
+            return {"stats": {}, "bytes_in_use": 0, "num_slices": 0}
         return {"stats": asdict(stager.stats), "bytes_in_use": stager.pool.bytes_in_use,
                 "num_slices": stager.pool.num_slices}
     pack = engine._pack
     return {"stats": asdict(pack.stats), "bytes_in_use": pack.pool.bytes_in_use if pack.pool else 0,
             "cost": pack.cost}
+
+
+class _Capture(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def start_log_capture(state, logger_name: str) -> None:
+    """Keep the warnings ``logger_name`` emits in this worker until stop_log_capture."""
+    handler = state.extra[f"log:{logger_name}"] = _Capture()
+    logging.getLogger(logger_name).addHandler(handler)
+
+
+def stop_log_capture(state, logger_name: str) -> list[str]:
+    handler = state.extra.pop(f"log:{logger_name}")
+    logging.getLogger(logger_name).removeHandler(handler)
+    return handler.messages
 
 
 def auto_choices(state, key, ticket_bytes, local_block_ids) -> int:

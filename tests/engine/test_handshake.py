@@ -8,7 +8,15 @@ from harness import TINY
 from hybrid_transfer.engine import handshake, wire
 from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard
 from hybrid_transfer.errors import HandshakeError
-from hybrid_transfer.layout import CacheOptions, ConvLayout, DType, RankGeometry, fingerprint_of, model_from_config
+from hybrid_transfer.layout import (
+    CacheOptions,
+    ConvLayout,
+    DType,
+    KVLayout,
+    RankGeometry,
+    fingerprint_of,
+    model_from_config,
+)
 from hybrid_transfer.plan.rank import describe_rank
 
 MODEL = model_from_config(TINY, name="tiny")
@@ -63,6 +71,7 @@ def _modified(**changes) -> dict:
 # One case per class of equal-tier field: a layout, a dtype, a model dimension, the layer-to-tensor map.
 MISMATCHES = {
     "conv layout": (MODEL, CacheOptions(conv_layout=ConvLayout.SD), "conv_layout", "SD", "DS"),
+    "kv layout": (MODEL, CacheOptions(kv_layout=KVLayout.SPLIT), "kv_layout", "split", "interleaved"),
     "dtype": (MODEL, CacheOptions(ssm_dtype=DType.BF16), "ssm_dtype", "bfloat16", "float32"),
     "model dimension": (model_from_config(_modified(head_dim=16)), None, "head_dim", 16, 8),
     "layer map": (model_from_config(_modified(layer_types=["full_attention"] * 2 + ["linear_attention"] * 6)),
@@ -78,6 +87,16 @@ def test_an_equal_tier_mismatch_names_the_field_and_both_values(case):
     assert field in found
     assert [_plain(v) for v in found[field]] == [consumer_value, producer_value]
     assert field in str(error) and repr(consumer_value) in str(error) and repr(producer_value) in str(error)
+
+
+@pytest.mark.parametrize(("consumer", "producer"), [(KVLayout.SPLIT, KVLayout.INTERLEAVED),
+                                                    (KVLayout.INTERLEAVED, KVLayout.SPLIT)])
+def test_split_and_interleaved_sides_are_refused_naming_kv_layout(consumer, producer):
+    """Equal block sizes and page sizes: without kv_layout in the fingerprint the two would shake hands."""
+    card = _card(options=CacheOptions(kv_layout=producer))
+    error = _refusal(card, RankGeometry(MODEL, 2, 1, CacheOptions(kv_layout=consumer)))
+    assert [(n, c, p) for n, c, p in error.differences] == [("kv_layout", consumer.value, producer.value)]
+    assert "kv_layout" in str(error)
 
 
 def _plain(value):

@@ -8,7 +8,7 @@ oracle, and checks that every staging slice went back to its pool on both sides.
 from __future__ import annotations
 
 import pytest
-from pack_ops import run_pack
+from pack_ops import run_pack, start_log_capture, stop_log_capture
 from test_transfer import TOPOLOGIES
 
 from hybrid_transfer.engine import EngineConfig
@@ -85,3 +85,24 @@ def test_auto_follows_the_cost_model(cluster, per_descriptor_s):
     assert packed == choices[0]
     assert (sum(packed) > 0) == (per_descriptor_s > 0)
     assert all(r.num_fallback_sources == 0 for r in results[0])
+
+
+def test_a_pack_consumer_says_once_that_a_producer_does_not_stage(cluster):
+    """Producers in direct mode cannot answer a staging query: the consumer reads directly, says so in
+    every result and warns once per producer rank, not once per request."""
+    tokens = (37, 64, 100)
+    consumer_worker = cluster.workers[2]  # run_pack puts the decode rank after the two prefill ranks
+    logger = "hybrid_transfer.engine.pack_reader"
+    consumer_worker.call("call", start_log_capture, logger)
+    try:
+        pack = EngineConfig(mode=PlanMode.PACK, staging_bytes=POOL)
+        results, _, c_status, _ = run_pack(cluster, 2, 1, None, None, pack, producer_config=EngineConfig(),
+                                           token_counts=tokens, seed=6)
+    finally:
+        warnings = consumer_worker.call("call", stop_log_capture, logger)
+    for r in results[0]:  # every byte was checked against the oracle inside run_pack
+        assert (r.num_packed_sources, r.num_fallback_sources, r.unstaged_sources) == (0, 2, (0, 1)), r
+    stats = c_status[0]["stats"]
+    assert stats["fallback_unstaged"] == 2 * len(tokens) and stats["fallback_absent"] == 0, stats
+    said = [w for w in warnings if "does not stage" in w]
+    assert len(said) == 2 and all(any(f" rank {r} at " in w for w in said) for r in (0, 1)), warnings

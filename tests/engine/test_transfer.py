@@ -2,31 +2,37 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 from harness import TINY, RankSpec, hold_everywhere, start_consumers, start_producers
 
 from hybrid_transfer.engine import EngineConfig
-from hybrid_transfer.layout import CacheOptions
+from hybrid_transfer.layout import CacheOptions, KVLayout
 from hybrid_transfer.plan.types import PlanMode
 from hybrid_transfer.verify import RequestLayout, make_requests
 
 NUM_BLOCKS = 64
-# (prefill TP, decode TP, producer options, consumer options): every pair of DESIGN 3's cases, with
-# block sizes that differ between the sides (and kernel blocks smaller than logical ones) in three.
+# (prefill TP, decode TP, producer options, consumer options): every pair of the planner's cases, with
+# block sizes that differ between the sides (and kernel blocks smaller than logical ones) in four.
+# The default KV layout is interleaved (vLLM 0.33's [heads][tokens][K|V]).
 TOPOLOGIES = {
     "1->1": (1, 1, None, None),
     "1->2": (1, 2, CacheOptions(block_size=32, kernel_block_size=16), None),
     "2->4": (2, 4, None, CacheOptions(block_size=32)),
     "4->2": (4, 2, None, None),
     "2->1": (2, 1, CacheOptions(block_size=32), CacheOptions(block_size=64, kernel_block_size=16)),
+    "4->1": (4, 1, None, CacheOptions(block_size=48, kernel_block_size=16)),
 }
+SPLIT = KVLayout.SPLIT
 # Several requests in flight per pair: partial last blocks, a whole-block count, one token, zero tokens.
 TOKEN_COUNTS = [37, 64, 1, 0, 100]
 
 
 def _transfer(cluster, prefill_tp, decode_tp, p_opts, c_opts, mode, model=TINY, num_blocks=NUM_BLOCKS,
               token_counts=TOKEN_COUNTS, seed=0):
+    """Move several requests, then check every byte: valid bytes hold the pattern, the rest poison
+    (naive moves whole attention pages like vLLM, so the unused tail of the last page is not checked)."""
     p_specs = [RankSpec(model, prefill_tp, r, num_blocks, p_opts) for r in range(prefill_tp)]
     c_specs = [RankSpec(model, decode_tp, r, num_blocks, c_opts) for r in range(decode_tp)]
     workers = cluster.workers
@@ -61,7 +67,8 @@ def _transfer(cluster, prefill_tp, decode_tp, p_opts, c_opts, mode, model=TINY, 
             assert status["stats"]["freed"] == len(ids)
         # Bytes: every consumer rank holds exactly its share of every request, poison elsewhere.
         for w, k in zip(consumers.workers, consumers.keys, strict=True):
-            w.call("check", k, [(layout, 1000 + i) for i, layout in enumerate(local_layouts)])
+            w.call("check", k, [(layout, 1000 + i) for i, layout in enumerate(local_layouts)],
+                   mode is PlanMode.NAIVE)
         return consumers
     finally:
         producers.close()
@@ -89,6 +96,18 @@ def _layouts(geometry, token_counts, num_blocks, rng, extra):
 def test_transfer_is_bitwise_exact_and_frees_every_producer_block(cluster, topology, mode):
     prefill_tp, decode_tp, p_opts, c_opts = TOPOLOGIES[topology]
     _transfer(cluster, prefill_tp, decode_tp, p_opts, c_opts, mode)
+
+
+@pytest.mark.parametrize("mode", [PlanMode.COALESCED, PlanMode.NAIVE], ids=lambda m: m.value)
+@pytest.mark.parametrize("topology", ["2->4", "4->1"])
+def test_split_layout_transfer_is_bitwise_exact(cluster, topology, mode):
+    """The older [K | V] page layout still moves exactly, with different block sizes and fan-in."""
+    prefill_tp, decode_tp, p_opts, c_opts = TOPOLOGIES[topology]
+
+    def split(opts):
+        return CacheOptions(kv_layout=SPLIT) if opts is None else msgspec.structs.replace(opts, kv_layout=SPLIT)
+
+    _transfer(cluster, prefill_tp, decode_tp, split(p_opts), split(c_opts), mode)
 
 
 def test_transfer_of_a_real_preset_geometry(cluster):

@@ -13,6 +13,7 @@ from hybrid_transfer.layout import (
     CacheOptions,
     ConvLayout,
     DType,
+    KVLayout,
     RankGeometry,
     SsmOrder,
     fingerprint_diff,
@@ -42,7 +43,7 @@ def test_fingerprint_fields(big):
     fp = fingerprint_of(RankGeometry(big, 2))
     assert fp.layer_kinds == "GGGA" * 15
     assert (fp.kv_dtype, fp.conv_dtype, fp.ssm_dtype) == ("bfloat16", "bfloat16", "float32")
-    assert (fp.kv_layout, fp.conv_layout, fp.ssm_order) == ("HND", "DS", "nv,dv,dk")
+    assert (fp.kv_layout, fp.conv_layout, fp.ssm_order) == ("interleaved", "DS", "nv,dv,dk")
     assert fp.layer_tensor == tuple(i // 4 for i in range(60))
     assert len(fp.digest()) == 16
     int(fp.digest(), 16)
@@ -53,6 +54,8 @@ def test_fingerprint_fields(big):
     (CacheOptions(ssm_order=SsmOrder.V_K_D), "ssm_order", "nv,dv,dk", "nv,dk,dv"),
     (CacheOptions(kv_dtype=DType.FP8), "kv_dtype", "bfloat16", "fp8_e4m3"),
     (CacheOptions(ssm_dtype=DType.BF16), "ssm_dtype", "float32", "bfloat16"),
+    (CacheOptions(kv_layout=KVLayout.SPLIT), "kv_layout", "interleaved", "split"),
+    (CacheOptions(kv_layout="split"), "kv_layout", "interleaved", "split"),
 ])
 def test_layout_change_changes_digest_and_diff_names_field(big, options, field, ours, theirs):
     a = fingerprint_of(RankGeometry(big, 4))

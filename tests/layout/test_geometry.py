@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from hybrid_transfer.layout import (
     ConvLayout,
     ConvSegment,
     DType,
+    KVLayout,
     RankGeometry,
     load_preset,
     preset_names,
@@ -155,8 +157,8 @@ def test_conv_channels_and_value_heads_per_rank(name, tp):
 
 # ---- offsets inside a page -------------------------------------------------------------------------
 
-def test_kv_offset_is_hnd_inside_kv_pairs(big):
-    g = RankGeometry(big, 1, options=CacheOptions(kernel_block_size=16))
+def test_split_kv_offset_is_heads_tokens_inside_k_and_v_halves(big):
+    g = RankGeometry(big, 1, options=CacheOptions(kernel_block_size=16, kv_layout=KVLayout.SPLIT))
     hd_bytes = 256 * 2
     assert g.kv_offset(0, 0, 0) == 0
     assert g.kv_offset(0, 0, 0, head_slot=0, token=1) == hd_bytes
@@ -164,6 +166,40 @@ def test_kv_offset_is_hnd_inside_kv_pairs(big):
     assert g.kv_offset(0, 0, 1) == 2 * 16 * hd_bytes  # V after both K heads
     assert g.kv_offset(0, 1, 0) == 4 * 16 * hd_bytes  # next [K|V] pair
     assert g.kv_offset(3, 2, 1, 1, 5) == 3 * g.page_bytes + 2 * g.kernel_block_bytes + g.kv_half_bytes + (16 + 5) * hd_bytes
+
+
+def test_interleaved_kv_offset_puts_k_and_v_of_a_token_side_by_side(big):
+    g = RankGeometry(big, 1, options=CacheOptions(kernel_block_size=16))
+    assert g.kv_layout is KVLayout.INTERLEAVED  # the default: vLLM 0.33's [heads][tokens][K|V]
+    hd_bytes = 256 * 2
+    assert g.kv_offset(0, 0, 0) == 0
+    assert g.kv_offset(0, 0, 1) == hd_bytes  # V of token 0 right after its K
+    assert g.kv_offset(0, 0, 0, head_slot=0, token=1) == 2 * hd_bytes
+    assert g.kv_offset(0, 0, 0, head_slot=1) == 16 * 2 * hd_bytes  # a head's 16 tokens, K and V, are one range
+    assert g.kv_offset(0, 1, 0) == 2 * 16 * 2 * hd_bytes  # next kernel block
+    assert g.kv_offset(3, 2, 1, 1, 5) == 3 * g.page_bytes + 2 * g.kernel_block_bytes + ((16 + 5) * 2 + 1) * hd_bytes
+    # Page and kernel block sizes do not depend on the layout; only offsets inside a kernel block do.
+    split = RankGeometry(big, 1, options=CacheOptions(kernel_block_size=16, kv_layout=KVLayout.SPLIT))
+    assert (g.page_bytes, g.kernel_block_bytes, g.block_size) == (split.page_bytes, split.kernel_block_bytes,
+                                                                   split.block_size)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize(("tp", "kbs"), [(1, None), (1, 16), (8, None), (8, 48)])
+def test_kv_offsets_tile_a_kernel_block_exactly(big, layout, tp, kbs):
+    """Every (half, head, token, byte) of a kernel block maps to a distinct offset inside it: a bijection."""
+    g = RankGeometry(big, tp, options=CacheOptions(kernel_block_size=kbs, kv_layout=layout))
+    h, n, htb = g.num_kv_heads_local, g.kernel_block_size, g.head_token_bytes
+    starts = sorted(g.kv_offset(0, 1, half, slot, tok) for half in (0, 1) for slot in range(h) for tok in range(n))
+    assert starts[0] == g.kernel_block_bytes
+    assert all(b - a == htb for a, b in itertools.pairwise(starts))
+    assert starts[-1] + htb == 2 * g.kernel_block_bytes
+
+
+def test_kernel_block_defaults_to_logical_block(big):
+    for tp in (1, 2, 4, 8):
+        g = RankGeometry(big, tp)
+        assert (g.kernel_block_size, g.kernel_ratio) == (g.block_size, 1)
 
 
 def test_state_offsets_are_conv_then_ssm(big):
@@ -186,8 +222,11 @@ def test_sd_layout_has_no_single_segment_range(big):
 def test_describe_has_cli_keys(big):
     d = RankGeometry(big, 8, 5).describe()
     for key in ("block_size", "page_bytes", "kv_bytes_per_token", "conv_bytes", "ssm_bytes",
-                "state_bytes_per_request", "num_fa_layers", "num_gdn_layers", "num_tensors", "kv_heads"):
+                "state_bytes_per_request", "num_fa_layers", "num_gdn_layers", "num_tensors", "kv_heads",
+                "kv_layout"):
         assert key in d
+    assert d["kv_layout"] == "interleaved"
+    assert RankGeometry(big, 8, options=CacheOptions(kv_layout=KVLayout.SPLIT)).describe()["kv_layout"] == "split"
     assert (d["tp_rank"], d["kv_heads"], d["num_fa_layers"], d["num_gdn_layers"]) == (5, [1, 2], 15, 45)
 
 

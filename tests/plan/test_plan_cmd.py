@@ -6,20 +6,41 @@ import json
 
 from hybrid_transfer.cli import main
 
+P2_D8 = ["plan", "--preset", "qwen3.5-397b-a17b", "--prefill-tp", "2", "--decode-tp", "8", "--tokens", "8192",
+         "--fragmentation", "1.0", "--json"]
+
 
 def test_json_lists_every_decode_rank(capsys):
-    code = main(["plan", "--preset", "qwen3.5-397b-a17b", "--prefill-tp", "2", "--decode-tp", "8",
-                 "--tokens", "8192", "--fragmentation", "1.0", "--json"])
+    code = main(P2_D8 + ["--kv-layout", "split"])
     assert code == 0
     out = json.loads(capsys.readouterr().out)
     assert [d["decode_rank"] for d in out] == list(range(8))
     for d in out:
-        assert d["total_bytes"] == d["expected_bytes"] == 149_836_800
+        assert d["total_bytes"] == d["expected_bytes"] == d["valid_bytes"] == 149_836_800
         assert d["descriptors"] == 750
         assert d["sources"] == [{"rank": d["decode_rank"] // 4, "bytes": 149_836_800, "descriptors": 750,
                                  "pieces": 750, "mode": "coalesced"}]
-        assert d["mode"] == "coalesced"
+        assert (d["mode"], d["kv_layout"]) == ("coalesced", "split")
         assert d["notify"] == [{"rank": d["decode_rank"] // 4, "expected_consumers": 4}]
+
+
+def test_interleaved_default_needs_at_most_six_tenths_of_split_descriptors(capsys):
+    """Issue 11's bar: same 149,836,800 bytes, <= 0.6 x 750 descriptors (KV pieces halve; state is unchanged)."""
+    assert main(P2_D8) == 0
+    out = json.loads(capsys.readouterr().out)
+    for d in out:
+        assert d["kv_layout"] == "interleaved"
+        assert d["total_bytes"] == d["valid_bytes"] == 149_836_800
+        assert d["descriptors"] <= 0.6 * 750
+
+
+def test_naive_json_reports_whole_pages_and_the_valid_payload(capsys):
+    assert main(["plan", "--preset", "qwen3.5-0.8b", "--prefill-tp", "1", "--decode-tp", "1", "--tokens", "2047",
+                 "--mode", "naive", "--json"]) == 0
+    (d,) = json.loads(capsys.readouterr().out)
+    assert d["descriptors"] == 96  # vLLM 0.33: R * K_fa + G_gdn * R * 4 = 6*4 + 3*6*4
+    assert d["valid_bytes"] < d["total_bytes"] == d["expected_bytes"]
+    assert d["total_bytes"] - d["valid_bytes"] == (4 * 544 - 2047) * 6 * 2048  # page tails of 6 FA layers
 
 
 def test_one_decode_rank_in_pack_mode(capsys):

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
 from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
-from hybrid_transfer.layout import CacheOptions, DType, LayerKind, RankGeometry, load_preset, model_from_config
+from hybrid_transfer.layout import (
+    CacheOptions,
+    DType,
+    KVLayout,
+    LayerKind,
+    RankGeometry,
+    load_preset,
+    model_from_config,
+)
+from hybrid_transfer.plan.pieces import naive_token_end
 from hybrid_transfer.plan.planner import Planner
 from hybrid_transfer.plan.rank import RankDescriptor
 from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
@@ -16,8 +26,18 @@ from hybrid_transfer.plan.validate import expected_bytes
 Q397 = "qwen3.5-397b-a17b"
 
 
-def engines(model, p, d, prefill=None, decode=None, pool=64):
-    return fake_engine(model, p, prefill, pool, 0), fake_engine(model, d, decode, pool, 1)
+SPLIT, INTERLEAVED = KVLayout.SPLIT, KVLayout.INTERLEAVED
+
+
+def with_layout(options: CacheOptions | None, layout: KVLayout | None) -> CacheOptions | None:
+    if layout is None:
+        return options
+    return msgspec.structs.replace(options or CacheOptions(), kv_layout=layout)
+
+
+def engines(model, p, d, prefill=None, decode=None, pool=64, layout=None):
+    return (fake_engine(model, p, with_layout(prefill, layout), pool, 0),
+            fake_engine(model, d, with_layout(decode, layout), pool, 1))
 
 
 def request_ids(model, producers, consumers, n, fragmentation, seed=0):
@@ -36,12 +56,19 @@ def rows(plan_source: SourcePlan) -> set[tuple[int, int, int]]:
 
 # ---- DESIGN 3 worked example --------------------------------------------------------------------------
 
-def test_worked_example_p2_d8_fragmented():
-    """qwen3.5-397b-a17b, 8192 tokens, P2 -> D8 fragmented: 19 ranges per FA layer and half, 570 + 180 pieces."""
+@pytest.mark.parametrize(("layout", "kv_per_tensor", "total"), [(SPLIT, 19 * 2, 750), (INTERLEAVED, 19, 465)])
+def test_worked_example_p2_d8_fragmented(layout, kv_per_tensor, total):
+    """qwen3.5-397b-a17b, 8192 tokens, P2 -> D8 fragmented: 19 token ranges per FA layer (per half in split).
+
+    Split: 570 KV + 180 state pieces. Interleaved: a head's range holds K and V, so 285 KV pieces of twice
+    the length, the same 180 state pieces and the same 149,836,800 bytes.
+    """
     model = load_preset(Q397)
-    producers, consumers = engines(model, 2, 8)
+    producers, consumers = engines(model, 2, 8, layout=layout)
     assert (producers[0].block_size, consumers[0].block_size) == (2096, 528)
     local, remote = request_ids(model, producers, consumers, 8192, 1.0)
+    whole = 270_336 * (2 if layout is INTERLEAVED else 1)  # 528 tokens x 512 B (x 2 for K|V)
+    unit = 512 * (2 if layout is INTERLEAVED else 1)
     for d in range(8):
         plan = Planner(model, consumers[d], producers).plan(local, remote, 8192, PlanMode.COALESCED)
         assert plan.total_bytes == plan.expected_bytes == 149_836_800
@@ -52,27 +79,73 @@ def test_worked_example_p2_d8_fragmented():
         block = off[in_tensor0] // consumers[d].page_bytes
         is_kv = np.isin(block, local[0])
         kv_len = src.length[in_tensor0][is_kv]
-        assert kv_len.shape[0] == 19 * 2  # one tensor holds one FA layer: 19 ranges per half
-        assert np.count_nonzero(kv_len == 270_336) >= 2 * 12
-        assert set(kv_len[kv_len != 270_336].tolist()) <= {t * 512 for t in range(1, 529)}
+        assert kv_len.shape[0] == kv_per_tensor  # one tensor holds one FA layer
+        assert np.count_nonzero(kv_len == whole) >= kv_per_tensor // 19 * 12
+        assert set(kv_len[kv_len != whole].tolist()) <= {t * unit for t in range(1, 529)}
         assert sorted(set(src.length[in_tensor0][~is_kv].tolist())) == [1536, 6144, 524_288]
-        assert src.num_descriptors == 750
-        assert np.count_nonzero(np.isin(src.length, [1536, 6144, 524_288])) == 180
+        assert src.num_descriptors == total
+        addrs = np.asarray(consumers[d].tensor_addrs)
+        tensor = np.searchsorted(addrs, src.local_addr, side="right") - 1
+        all_kv = np.isin((src.local_addr - addrs[tensor]) // consumers[d].page_bytes, local[0])
+        assert np.count_nonzero(~all_kv) == 180 and np.count_nonzero(all_kv) == 15 * kv_per_tensor
         assert plan.notify[0].source_rank == d // 4 and plan.notify[0].expected_consumers == 4
 
 
-def test_p1_d1_contiguous_coalesces_whole_blocks_and_conv_with_ssm():
+@pytest.mark.parametrize(("layout", "coalesced_per_tensor", "naive_kv_per_tensor"), [(SPLIT, 7, 8), (INTERLEAVED, 5, 4)])
+def test_p1_d1_contiguous_coalesces_whole_blocks_and_conv_with_ssm(layout, coalesced_per_tensor, naive_kv_per_tensor):
     model = load_preset(Q397)
-    producers, consumers = engines(model, 1, 1)
+    producers, consumers = engines(model, 1, 1, layout=layout)
     local, remote = request_ids(model, producers, consumers, 8192, 0.0)
     planner = Planner(model, consumers[0], producers)
     naive = planner.plan(local, remote, 8192, PlanMode.NAIVE)
     coalesced = planner.plan(local, remote, 8192, PlanMode.COALESCED)
-    # Per tensor: blocks 0-2 and block 3's first K head merge into one range, 3 more for the partial block,
-    # one conv|ssm range per GDN group (equal TP): 7. Naive: 10 KV halves + 12 state sub-regions.
-    assert coalesced.num_descriptors == 15 * 7
-    assert naive.num_descriptors == 15 * 22
-    assert naive.total_bytes == coalesced.total_bytes == expected_bytes(planner.local, 8192)
+    # Per tensor, split: blocks 0-2 and block 3's first K head merge into one range, 3 more for the partial
+    # block; interleaved: blocks 0-2 and block 3's first head (K|V) merge, 1 more for its second head.
+    # Then one conv|ssm range per GDN group (equal TP). Naive, vLLM's scheme: one descriptor per kernel page
+    # (per half in split), whole pages, and conv Q, K, V, ssm per GDN layer.
+    assert coalesced.num_descriptors == 15 * coalesced_per_tensor
+    assert naive.num_descriptors == 15 * (naive_kv_per_tensor + 3 * 4)
+    assert coalesced.total_bytes == expected_bytes(planner.local, 8192)
+    assert naive.total_bytes == naive.expected_bytes == expected_bytes(planner.local, 4 * 2096)  # 4 whole pages
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+def test_naive_is_vllm_count_for_qwen35_08b(layout):
+    """vLLM 0.33's count with equal TP and block sizes: R * K_fa + G_gdn * R * 4 = 6*4 + 3*6*4 = 96 (interleaved)."""
+    model = load_preset("qwen3.5-0.8b")
+    producers, consumers = engines(model, 1, 1, layout=layout)
+    assert consumers[0].block_size == 544 and consumers[0].kernel_block_size == 544
+    local, remote = request_ids(model, producers, consumers, 2047, 1.0)
+    planner = Planner(model, consumers[0], producers)
+    plan = planner.plan(local, remote, 2047, PlanMode.NAIVE)
+    halves = 2 if layout is SPLIT else 1
+    assert plan.num_descriptors == 6 * 4 * halves + 3 * 6 * 4
+    assert plan.num_descriptors == (96 if layout is INTERLEAVED else 120)
+    assert plan.total_bytes == expected_bytes(planner.local, 4 * 544)
+
+
+@pytest.mark.parametrize("layout", list(KVLayout))
+@pytest.mark.parametrize("p,d", [(1, 2), (2, 8), (4, 1), (8, 2), (2, 2)])
+def test_naive_is_one_read_per_source_and_one_descriptor_per_slot_and_page_pair(layout, p, d):
+    """Hetero TP: per source, one FA descriptor per (slot, source kernel page, destination kernel page)."""
+    model = load_preset(Q397)
+    producers, consumers = engines(model, p, d, layout=layout)
+    n = 5000
+    local, remote = request_ids(model, producers, consumers, n, 1.0)
+    bp, bd = producers[0].block_size, consumers[0].block_size
+    end = min(-(-n // bp) * bp, -(-n // bd) * bd)
+    pairs = len(set(range(0, end, bp)) | set(range(0, end, bd)))  # page pairs = segments cut at both sides' pages
+    for rank in sorted({0, d - 1}):
+        planner = Planner(model, consumers[rank], producers)
+        assert naive_token_end(n, planner.local, planner.remote) == end
+        plan = planner.plan(local, remote, n, PlanMode.NAIVE)
+        kv_sources = [t for t in planner.templates if not t.kv.is_empty]
+        halves = 2 if layout is SPLIT else 1
+        # Whole kernel pages on both sides (or one head): the heads taken from a page are one range (per half).
+        want_kv = len(kv_sources) * 15 * pairs * halves
+        want_state = len(planner.templates) * 45 * 4
+        assert plan.num_descriptors == want_kv + want_state
+        assert plan.total_bytes == expected_bytes(planner.local, end)
 
 
 # ---- formulas -------------------------------------------------------------------------------------------
@@ -102,16 +175,23 @@ def test_fan_out_state_is_the_three_read_conv_and_an_ssm_slice(preset, p, d):
                     assert (lbase + lo, rbase + ro, n) in got
 
 
+@pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("p,d,bs_p,kb_p,bs_d,kb_d", [(2, 4, 48, 16, 40, 8), (1, 4, 64, 64, 24, 8),
                                                      (2, 8, 32, 8, 48, 48)])
-def test_kv_pieces_follow_the_design_formula_with_different_block_sizes(p, d, bs_p, kb_p, bs_d, kb_d):
-    """One local head; per head: remote offset (head - first_head(src)) * B_s * hd * b + t0 * hd * b inside the remote half."""
+def test_kv_pieces_follow_the_design_formula_with_different_block_sizes(p, d, bs_p, kb_p, bs_d, kb_d, layout):
+    """One local head, per token segment: split reads K and V of the head apart, interleaved as one range.
+
+    Split: remote offset ``half * half_bytes + (head - first_head(src)) * B_s * hd * b + t0 * hd * b`` in the
+    remote kernel block; interleaved: ``((head - first_head(src)) * B_s + t0) * 2 * hd * b``, twice the length.
+    Naive moves up to the end of the last page both sides hold.
+    """
     model = load_preset("qwen3.5-27b")  # K = 4: unreplicated at TP <= 4, replicated at TP 8
-    prefill = CacheOptions(block_size=bs_p * 64, kernel_block_size=kb_p)
-    decode = CacheOptions(block_size=bs_d * 64, kernel_block_size=kb_d)
+    prefill = CacheOptions(block_size=bs_p * 64, kernel_block_size=kb_p, kv_layout=layout)
+    decode = CacheOptions(block_size=bs_d * 64, kernel_block_size=kb_d, kv_layout=layout)
     producers, consumers = engines(model, p, d, prefill, decode)
     n = 1000
     local, remote = request_ids(model, producers, consumers, n, 1.0, seed=5)
+    split = layout is SPLIT
     for rank in range(d):
         planner = Planner(model, consumers[rank], producers)
         lg, rg = planner.local, planner.remote
@@ -120,24 +200,26 @@ def test_kv_pieces_follow_the_design_formula_with_different_block_sizes(p, d, bs
         (src,) = planner.plan(local, remote, n, PlanMode.NAIVE).sources
         got = rows(src)
         htb = model.head_dim * 2
-        cuts = sorted({0, n} | set(range(lg.kernel_block_size, n, lg.kernel_block_size))
-                      | set(range(rg.kernel_block_size, n, rg.kernel_block_size)))
+        tok = htb if split else 2 * htb
+        end = min(-(-n // lg.block_size) * lg.block_size, -(-n // rg.block_size) * rg.block_size)
+        cuts = sorted({0, end} | set(range(lg.kernel_block_size, end, lg.kernel_block_size))
+                      | set(range(rg.kernel_block_size, end, rg.kernel_block_size)))
         want = set()
         for t0, t1 in zip(cuts[:-1], cuts[1:], strict=True):
             lb, lt = divmod(t0, lg.block_size)
             rb, rt = divmod(t0, rg.block_size)
-            for half in (0, 1):
+            for half in ((0, 1) if split else (0,)):
                 for slot, head in enumerate(lg.kv_heads):
                     lo = (local[0][lb] * lg.page_bytes + (lt // lg.kernel_block_size) * lg.kernel_block_bytes
-                          + half * lg.kv_half_bytes + slot * lg.kernel_block_size * htb
-                          + (lt % lg.kernel_block_size) * htb)
+                          + (half * lg.kernel_block_bytes // 2 if split else 0)
+                          + slot * lg.kernel_block_size * tok + (lt % lg.kernel_block_size) * tok)
                     ro = (remote[0][rb] * rg.page_bytes + (rt // rg.kernel_block_size) * rg.kernel_block_bytes
-                          + half * rg.kv_half_bytes
-                          + (head - src_geo.first_kv_head) * rg.kernel_block_size * htb
-                          + (rt % rg.kernel_block_size) * htb)
+                          + (half * rg.kernel_block_bytes // 2 if split else 0)
+                          + (head - src_geo.first_kv_head) * rg.kernel_block_size * tok
+                          + (rt % rg.kernel_block_size) * tok)
                     for j in range(lg.num_tensors):
                         want.add((consumers[rank].tensor_addrs[j] + lo, producers[src_rank].tensor_addrs[j] + ro,
-                                  (t1 - t0) * htb))
+                                  (t1 - t0) * tok))
         # One local head (D >= K): naive merges nothing, so the KV rows are exactly the formula's.
         assert want <= got
         assert len(got) - len(want) == 4 * 3 * lg.num_tensors  # the rest: Q, K, V, ssm per GDN group
@@ -203,21 +285,27 @@ def test_zero_tokens_moves_nothing_but_still_notifies():
 
 # ---- modes ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("layout", list(KVLayout))
 @pytest.mark.parametrize("preset", ["qwen3-next-80b-a3b", Q397, "qwen3.5-27b", "qwen3.5-0.8b"])
 @pytest.mark.parametrize("p,d", [(1, 1), (1, 8), (8, 1), (2, 4), (4, 2), (8, 8)])
 @pytest.mark.parametrize("fragmentation", [0.0, 1.0])
-def test_coalesced_never_has_more_descriptors_than_naive_and_same_bytes(preset, p, d, fragmentation):
+def test_coalesced_moves_valid_bytes_and_naive_whole_pages(preset, p, d, fragmentation, layout):
+    """Naive moves the page-rounded bytes, coalesced the valid ones; coalesced only beats naive's count
+    by cutting the partial last page per head (naive copies it whole)."""
     model = load_preset(preset)
-    producers, consumers = engines(model, p, d, pool=128)
+    producers, consumers = engines(model, p, d, pool=128, layout=layout)
     local, remote = request_ids(model, producers, consumers, 5000, fragmentation)
     for rank in sorted({0, d - 1}):
         planner = Planner(model, consumers[rank], producers)
         naive = planner.plan(local, remote, 5000, PlanMode.NAIVE)
         coalesced = planner.plan(local, remote, 5000, PlanMode.COALESCED)
-        assert coalesced.num_descriptors <= naive.num_descriptors
-        for a, b in zip(naive.sources, coalesced.sources, strict=True):
-            assert a.num_descriptors >= b.num_descriptors
-            assert a.total_bytes == b.total_bytes
+        end = naive_token_end(5000, planner.local, planner.remote)
+        assert coalesced.total_bytes == expected_bytes(planner.local, 5000)
+        assert naive.total_bytes == expected_bytes(planner.local, end)
+        halves = 2 if layout is SPLIT else 1
+        slack = len(model.attention_layers) * planner.local.num_kv_heads_local * halves
+        assert coalesced.num_descriptors <= naive.num_descriptors + slack
+        assert [s.source_rank for s in naive.sources] == [s.source_rank for s in coalesced.sources]
 
 
 def test_coalesced_rows_ascend_within_each_tensor():
@@ -303,6 +391,10 @@ def test_layout_fields_that_must_be_equal_are_checked():
     with pytest.raises(FingerprintMismatch) as info:
         Planner(model, consumers[0], producers)
     assert info.value.differences[0][0] == "kv_dtype"
+    producers = fake_engine(model, 2, CacheOptions(kv_layout=SPLIT), 16, 0)
+    with pytest.raises(FingerprintMismatch) as info:
+        Planner(model, consumers[0], producers)
+    assert list(info.value.differences) == [("kv_layout", "interleaved", "split")]
 
 
 def test_descriptor_that_disagrees_with_its_geometry_is_refused():

@@ -65,7 +65,7 @@ def test_pack_through_the_canonical_layout_moves_exactly_the_right_bytes(s):
 
 
 def test_worked_example_reads_two_ranges_per_source():
-    """qwen3.5-397b-a17b P2 -> D8, 8192 tokens (DESIGN 3): ~750 coalesced rows become 2 ranges per source."""
+    """qwen3.5-397b-a17b P2 -> D8, 8192 tokens: ~460 coalesced rows (interleaved; ~750 split) become 2 ranges."""
     from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
 
     model = load_preset("qwen3.5-397b-a17b")
@@ -79,7 +79,7 @@ def test_worked_example_reads_two_ranges_per_source():
     (src,) = plan.sources
     layout = stage_layout(RankGeometry(model, 2, src.source_rank), pre[src.source_rank].tensor_addrs, remote, n)
     read = map_rows(layout, src.local_addr, src.remote_addr, src.length)
-    assert src.num_descriptors > 700 and read.num_ranges == 2
+    assert src.num_descriptors > 400 and read.num_ranges == 2
     assert read.total_bytes == src.total_bytes == 149_836_800
     # The rank stages its one KV head (every consumer of it reads it whole) and its state (split four ways).
     g = RankGeometry(model, 2, src.source_rank)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybrid_transfer.errors import TopologyError
-from hybrid_transfer.layout import CacheOptions, ConvLayout, RankGeometry, load_preset
+from hybrid_transfer.layout import CacheOptions, ConvLayout, KVLayout, RankGeometry, load_preset
 from hybrid_transfer.plan.templates import assign_kv_heads, kv_template, state_template
 from hybrid_transfer.plan.topology import Topology
 
@@ -25,11 +25,20 @@ def test_replicated_fan_in_reads_kv_from_the_first_holder_of_each_head():
 
 
 def test_fan_out_into_replicated_heads_reads_the_holding_slot():
-    local, sources = geos(1, 8, 5)  # decode rank 5 of 8 holds head 1, the source's slot 1
+    local, sources = geos(1, 8, 5, CacheOptions(kv_layout=KVLayout.SPLIT))  # rank 5 of 8: head 1, source slot 1
     assert assign_kv_heads(local, sources) == {0: [(0, 1)]}
     tpl = kv_template(local, sources[0], [(0, 1)])
     assert tpl.half.tolist() == [0, 1]
     assert tpl.remote_const.tolist() == [1 * 2096 * 512, 2096 * 1024 + 1 * 2096 * 512]
+    assert tpl.local_const.tolist() == [0, 528 * 512]
+
+
+def test_interleaved_template_has_one_row_per_slot_holding_k_and_v():
+    local, sources = geos(1, 8, 5)
+    tpl = kv_template(local, sources[0], [(0, 1)])
+    assert tpl.half.tolist() == [0]
+    assert tpl.remote_const.tolist() == [1 * 2096 * 1024]  # head 1 after head 0's 2096 tokens of K|V
+    assert tpl.local_const.tolist() == [0]
 
 
 def test_a_head_no_source_holds_is_a_topology_error():

@@ -195,4 +195,8 @@ def test_expected_bytes_matches_design_figures(tp):
 def test_planner_expected_bytes_agrees_with_independent_figure(planner):
     for n in (0, 1, 527, 528, 8192):
         assert planner.expected_bytes(n) == expected_bytes(planner.local, n)
-    assert planner.plan(*good(), N, PlanMode.NAIVE).expected_bytes == expected_bytes(planner.local, N)
+    assert planner.plan(*good(), N, PlanMode.COALESCED).expected_bytes == expected_bytes(planner.local, N)
+    # Naive moves whole pages (vLLM's scheme): the plan's bytes are the page-rounded figure.
+    end = min(-(-N // planner.local.block_size) * planner.local.block_size,
+              -(-N // planner.remote.block_size) * planner.remote.block_size)
+    assert planner.plan(*good(), N, PlanMode.NAIVE).expected_bytes == expected_bytes(planner.local, end)

@@ -17,8 +17,8 @@ def preset_names() -> tuple[str, ...]:
     return tuple(sorted(f.name.removesuffix(".json") for f in files if f.name.endswith(".json")))
 
 
-def load_preset(name: str) -> ModelSpec:
-    """Load a shipped preset by name, e.g. ``qwen3.5-397b-a17b``.
+def preset_config(name: str) -> dict:
+    """The config.json extract of a shipped preset.
 
     Raises:
         UnknownPresetError: no preset has that name.
@@ -26,5 +26,13 @@ def load_preset(name: str) -> ModelSpec:
     names = preset_names()
     if name not in names:
         raise UnknownPresetError(name, names)
-    text = resources.files(_PACKAGE).joinpath(f"{name}.json").read_text()
-    return model_from_config(json.loads(text), name=name)
+    return json.loads(resources.files(_PACKAGE).joinpath(f"{name}.json").read_text())
+
+
+def load_preset(name: str) -> ModelSpec:
+    """Load a shipped preset by name, e.g. ``qwen3.5-397b-a17b``.
+
+    Raises:
+        UnknownPresetError: no preset has that name.
+    """
+    return model_from_config(preset_config(name), name=name)

@@ -13,13 +13,14 @@ import socket
 import time
 from typing import Any
 
-from hybrid_transfer.engine.diagnostics import CheckResult, Status
+from hybrid_transfer.doctor.types import CheckResult, Status
+from hybrid_transfer.engine.agent import NixlAgent
+from hybrid_transfer.engine.config import EngineConfig, ProgressPolicy
+from hybrid_transfer.errors import EngineError, HybridTransferError
 
 log = logging.getLogger(__name__)
 
 _BUILDS = ("nixl-cu12", "nixl-cu13", "nixl-rocm")
-# Host port the engine binds when no EngineConfig is importable (it is: these mirror its defaults).
-_FALLBACK_HOST, _FALLBACK_PORT = "127.0.0.1", 0
 BUSY_SPIN_CORE_FRACTION = 0.5  # a thread using at least half a core while the agent is idle is spinning
 FEW_CORES = 8  # at or below this, one spinning core is a large share of the host
 
@@ -97,37 +98,33 @@ def ucx_version(api_module: str) -> str | None:
 
 
 def check_ucx_backend(api_module: str) -> CheckResult:
-    """2. An agent with the UCX backend can be created; which plugins NIXL found."""
-    api = importlib.import_module(api_module)
+    """2. The engine's agent (UCX backend, the engine's default settings) can be created; which plugins NIXL found."""
+    importlib.import_module(api_module)
     quiet_nixl_logger()
     data: dict[str, Any] = {"plugin_dir_env": os.environ.get("NIXL_PLUGIN_DIR")}
     try:
-        agent = api.nixl_agent("ht-doctor-probe", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    except Exception as exc:
-        data["error"] = f"{type(exc).__name__}: {exc}"
-        return CheckResult(
-            name="ucx_backend", status=Status.FAIL, detail=f"creating an agent with UCX failed: {data['error']}",
-            fix="NIXL's log above says why; check UCX_TLS (it must leave an active-message transport such as "
-                "tcp) and rerun with UCX_LOG_LEVEL=info", data=data)
+        agent = NixlAgent("ht-doctor-probe", EngineConfig(), api_module=api_module)
+    except EngineError as exc:  # the agent names the plugins it found when UCX did not come up
+        data["error"] = str(exc)
+        fix = ("reinstall the nixl wheel (its libplugin_UCX.so is missing) or unset a NIXL_PLUGIN_DIR that points "
+               "elsewhere" if "no UCX plugin" in str(exc) else
+               "NIXL's log above says why; check UCX_TLS (it must leave an active-message transport such as tcp) "
+               "and rerun with UCX_LOG_LEVEL=info")
+        return CheckResult(name="ucx_backend", status=Status.FAIL,
+                           detail=f"creating an agent with UCX failed: {data['error']}", fix=fix, data=data)
     try:
-        data["plugins"] = sorted(agent.get_plugin_list())
-        data["backends"] = sorted(agent.backends)
-        if "UCX" in agent.backends:
-            data["mem_types"] = sorted(agent.get_backend_mem_types("UCX"))
+        data["plugins"], data["backends"], data["mem_types"] = agent.plugins, agent.backends, agent.mem_types("UCX")
+    except EngineError as exc:
+        data["error"] = str(exc)
+        return CheckResult(name="ucx_backend", status=Status.FAIL, detail=f"querying the UCX backend failed: {exc}",
+                           fix="rerun with UCX_LOG_LEVEL=info and read NIXL's errors", data=data)
     finally:
-        del agent
+        agent.close()
+        del agent  # NIXL tears the agent down with its last reference
     try:
         data["ucx_version"] = ucx_version(api_module)
-    except Exception as exc:  # informational only
+    except (OSError, AttributeError, ImportError) as exc:  # informational only
         log.debug("reading UCX's version failed: %s", exc)
-    if "UCX" not in data["plugins"]:
-        return CheckResult(name="ucx_backend", status=Status.FAIL,
-                           detail=f"no UCX plugin among {data['plugins']}",
-                           fix="reinstall the nixl wheel (its libplugin_UCX.so is missing) or unset a "
-                               "NIXL_PLUGIN_DIR that points elsewhere", data=data)
-    if "UCX" not in data["backends"]:
-        return CheckResult(name="ucx_backend", status=Status.FAIL, detail="the UCX plugin loaded but no backend came up",
-                           fix="rerun with UCX_LOG_LEVEL=info and read NIXL's errors", data=data)
     detail = (f"UCX {data.get('ucx_version') or '?'} backend up, memory {', '.join(data.get('mem_types', []))}; "
               f"plugins: {', '.join(data['plugins'])}")
     return CheckResult(name="ucx_backend", status=Status.PASS, detail=detail, data=data)
@@ -135,10 +132,6 @@ def check_ucx_backend(api_module: str) -> CheckResult:
 
 def engine_side_channel_defaults() -> tuple[str, int]:
     """(host, port) the engine's producer binds by default."""
-    try:
-        from hybrid_transfer.engine.config import EngineConfig
-    except ImportError:
-        return _FALLBACK_HOST, _FALLBACK_PORT
     config = EngineConfig()
     return config.side_channel_host, config.side_channel_port
 
@@ -200,27 +193,27 @@ def usable_cores() -> int:
 
 def check_progress_thread(api_module: str, sample_s: float = 0.5, num_cores: int | None = None) -> CheckResult:
     """7. CPU used by NIXL's progress thread (its Python wrapper's default poll delay, 0) on an idle agent."""
-    api = importlib.import_module(api_module)
+    importlib.import_module(api_module)
     quiet_nixl_logger()
     baseline = measure_idle_cpu(min(0.2, sample_s))
-    agent = api.nixl_agent("ht-doctor-progress", api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"]))
+    # NIXL's own default: a progress thread that never sleeps between rounds.
+    nixl_default = EngineConfig(progress=ProgressPolicy.ON_WITH_DELAY, progress_delay_us=0)
+    agent = NixlAgent("ht-doctor-progress", nixl_default, api_module=api_module)
     try:
         spin = max(0.0, measure_idle_cpu(sample_s) - baseline)
     finally:
-        del agent
-    engine = _engine_policy_cpu(sample_s, baseline)
+        agent.close()
+        del agent  # the thread stops when NIXL tears the agent down
+    engine = _engine_policy_cpu(api_module, sample_s, baseline)
     return judge_progress_thread(spin, usable_cores() if num_cores is None else num_cores, engine)
 
 
-def _engine_policy_cpu(sample_s: float, baseline: float) -> dict[str, Any]:
-    """The engine's default progress policy, measured the same way through its own agent class."""
+def _engine_policy_cpu(api_module: str, sample_s: float, baseline: float) -> dict[str, Any]:
+    """The engine's default progress policy, measured the same way."""
+    config = EngineConfig()
     try:
-        from hybrid_transfer.engine.agent import NixlAgent
-        from hybrid_transfer.engine.config import EngineConfig
-
-        config = EngineConfig()
-        agent = NixlAgent("ht-doctor-engine-policy", config)
-    except Exception as exc:  # the engine's agent is optional here; the NIXL figure is the check
+        agent = NixlAgent("ht-doctor-engine-policy", config, api_module=api_module)
+    except HybridTransferError as exc:  # the NIXL figure is the check; this one only compares
         return {"error": f"{type(exc).__name__}: {exc}"}
     try:
         cores = max(0.0, measure_idle_cpu(sample_s) - baseline)

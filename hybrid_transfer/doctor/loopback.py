@@ -2,17 +2,15 @@
 
 The reader runs with ``UCX_PROTO_INFO=y`` and ``UCX_LOG_FILE`` pointing into a temporary folder, so the
 protocol UCX selected for the READ (and its transport) can be read back afterwards
-(``diagnostics_ucx``). UCX prints a table once, when it first selects a protocol: the first (warm-up)
+(``ucx_tables``). UCX prints a table once, when it first selects a protocol: the first (warm-up)
 READ pays for that and for connection set-up, the timed READs after it do not.
 
-The children run this file by path (``python -c`` bootstrap), not as ``hybrid_transfer.engine...``:
-importing the package would import the whole engine and torch (about 3 s of CPU per process on a
-2-core host). So the child half of this module imports only the standard library, msgspec and numpy,
-plus the NIXL backend module the parent resolved (e.g. ``nixl_cu13._api``; the ``nixl`` meta package
-imports all of torch on a CPU-only torch to look for a CUDA version). A VRAM run imports torch to
-allocate GPU memory. Parent and children talk over the children's stdin/stdout in length-prefixed
-msgpack frames; each child first moves its fd 1 onto fd 2, because UCX and NIXL's Python logger
-write to stdout.
+Both children reach NIXL only through the engine's ``NixlAgent`` (built on the NIXL module the parent
+resolved, e.g. ``nixl_cu13._api``: the ``nixl`` meta package imports all of torch on a CPU-only torch to
+look for a CUDA version), and import neither the producer nor the consumer, so no torch either unless a
+VRAM run allocates GPU memory. A timed READ includes building its handle (``post_read``), about 0.1 ms.
+Parent and children talk over the children's stdin/stdout in length-prefixed msgpack frames of typed
+messages; each child first moves its fd 1 onto fd 2, because UCX and NIXL's Python logger write to stdout.
 """
 
 from __future__ import annotations
@@ -39,12 +37,7 @@ _WORD_BYTES = 8  # the pattern is one int64 per 8 bytes: unique per word, so a s
 _PATTERN_BASE = 0x5EED << 40
 READER_NAME = "ht-doctor-reader"
 SOURCE_NAME = "ht-doctor-source"
-_BOOTSTRAP = (
-    "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_ht_doctor_loopback', sys.argv[1])\n"
-    "mod = importlib.util.module_from_spec(spec); sys.modules[spec.name] = mod; spec.loader.exec_module(mod)\n"
-    "mod.child_main(sys.argv[2])\n"
-)
+_CHILD_MODULE = "hybrid_transfer.doctor.loopback_child"
 
 
 class Memory(enum.Enum):
@@ -64,6 +57,20 @@ class LoopbackSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reader_device: int = 0
     source_device: int = 0
     deadline_s: float = 60.0  # each process gives up after this long
+
+
+class SourceOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="offer"):
+    """The source's answer to the spec: where its filled buffer is, and its agent's metadata."""
+
+    metadata: bytes
+    addr: int
+    device_id: int
+
+
+class ChildFailure(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="failure"):
+    """A child could not play its role; ``error`` says why."""
+
+    error: str
 
 
 class LoopbackResult(msgspec.Struct, frozen=True):
@@ -90,7 +97,10 @@ def run_loopback(memory: Memory, num_bytes: int, *, api_module: str = "nixl._api
                  source_device: int = 0) -> LoopbackResult:
     """READ ``num_bytes`` (one descriptor) from a source process into a reader process and verify them."""
     if num_bytes <= 0 or num_bytes % _WORD_BYTES:
-        raise ValueError(f"num_bytes={num_bytes} must be a positive multiple of {_WORD_BYTES}")
+        from hybrid_transfer.errors import ConfigError
+
+        raise ConfigError(f"num_bytes={num_bytes} must be a positive multiple of {_WORD_BYTES}", field="num_bytes",
+                          value=num_bytes)
     spec = LoopbackSpec(memory=memory, num_bytes=num_bytes, repeats=repeats, api_module=api_module,
                         reader_device=reader_device, source_device=source_device, deadline_s=timeout_s)
     with tempfile.TemporaryDirectory(prefix="ht-doctor-") as log_dir:
@@ -104,8 +114,8 @@ def run_loopback(memory: Memory, num_bytes: int, *, api_module: str = "nixl._api
 
 
 def _spawn(role: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, os.path.abspath(__file__), role],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    return subprocess.Popen([sys.executable, "-m", _CHILD_MODULE, role], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env)
 
 
 def _run_pair(spec: LoopbackSpec, reader_env: dict[str, str], timeout_s: float) -> LoopbackResult:
@@ -121,7 +131,7 @@ def _run_pair(spec: LoopbackSpec, reader_env: dict[str, str], timeout_s: float) 
                 _send_frame(proc.stdin, encoded)
             except OSError:
                 pass  # it died at start; the missing answer below reports it
-        offer = _recv_frame(source.stdout, deadline)  # the source's metadata and buffer, or its error
+        offer = _recv_frame(source.stdout, deadline)  # a SourceOffer or a ChildFailure, passed on as is
         if offer is None:
             return msgspec.structs.replace(failed, error=_gone("source", source, deadline))
         try:
@@ -131,7 +141,10 @@ def _run_pair(spec: LoopbackSpec, reader_env: dict[str, str], timeout_s: float) 
         answer = _recv_frame(reader.stdout, deadline)
         if answer is None:
             return msgspec.structs.replace(failed, error=_gone("reader", reader, deadline))
-        return msgspec.msgpack.decode(answer, type=LoopbackResult)
+        try:
+            return msgspec.msgpack.decode(answer, type=LoopbackResult)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return msgspec.structs.replace(failed, error=f"the reader's answer does not decode: {exc}")
     finally:
         for proc in (reader, source):
             _close_quietly(proc.stdin)  # the source serves until its stdin closes
@@ -194,17 +207,22 @@ def _read_logs(log_dir: str) -> str:
     return "".join(parts)
 
 
-# ---- child processes (standard library, msgspec, numpy, NIXL; torch for VRAM) --------------------------------
+# ---- child processes (the engine's agent and config, msgspec, numpy; torch for VRAM) --------------------------
 
 
 class _Buffer:
-    """One contiguous buffer of int64 words in DRAM (numpy) or VRAM (torch), with the verification pattern."""
+    """One contiguous buffer of int64 words in DRAM (numpy) or VRAM (torch), with the verification pattern.
+
+    It has the attributes NixlAgent.register reads from a cache region (addr, length, device_id, is_cuda).
+    """
 
     def __init__(self, memory: Memory, num_bytes: int, device: int, fill: bool):
         self.memory = memory
+        self.length = num_bytes
         self.num_words = num_bytes // _WORD_BYTES
-        self.device = device if memory is Memory.VRAM else 0
-        if memory is Memory.VRAM:
+        self.is_cuda = memory is Memory.VRAM
+        self.device_id = device if self.is_cuda else 0
+        if self.is_cuda:
             import torch
 
             dev = torch.device("cuda", device)
@@ -220,7 +238,7 @@ class _Buffer:
             self.addr = self.data.ctypes.data
 
     def clear(self) -> None:
-        if self.memory is Memory.VRAM:
+        if self.is_cuda:
             import torch
 
             self.data.zero_()
@@ -229,7 +247,7 @@ class _Buffer:
             self.data.fill(0)
 
     def holds_pattern(self) -> bool:
-        if self.memory is Memory.VRAM:
+        if self.is_cuda:
             import torch
 
             expected = torch.arange(self.num_words, dtype=torch.int64, device=self.data.device) + _PATTERN_BASE
@@ -237,6 +255,11 @@ class _Buffer:
         import numpy as np
 
         return bool(np.array_equal(self.data, np.arange(self.num_words, dtype=np.int64) + _PATTERN_BASE))
+
+    def descs(self) -> Any:
+        import numpy as np
+
+        return np.array([[self.addr, self.length, self.device_id]], dtype=np.int64)
 
 
 def child_main(role: str) -> None:
@@ -252,96 +275,106 @@ def child_main(role: str) -> None:
         _reader(spec, inp, out, deadline)
 
 
-def _import_api(spec: LoopbackSpec) -> Any:
-    api = importlib.import_module(spec.api_module)
+def _make_agent(spec: LoopbackSpec, name: str) -> Any:
+    """The engine's agent on the parent's NIXL module; the engine's default config has no progress
+    thread, so each process drives UCX itself (the source by polling notifications)."""
+    from hybrid_transfer.engine.agent import NixlAgent
+    from hybrid_transfer.engine.config import EngineConfig
+
+    importlib.import_module(spec.api_module)
     logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines are noise here
-    return api
-
-
-def _make_agent(api: Any, name: str) -> Any:
-    # No NIXL progress thread: each process drives UCX itself (the source by polling notifications).
-    return api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    return NixlAgent(name, EngineConfig(), api_module=spec.api_module)
 
 
 def _source(spec: LoopbackSpec, inp: Any, out: Any, deadline: float) -> None:
     """Register a filled buffer, offer its metadata, serve READs until stdin closes (or the deadline)."""
     try:
-        api = _import_api(spec)
-        agent = _make_agent(api, SOURCE_NAME)
+        agent = _make_agent(spec, SOURCE_NAME)
         buf = _Buffer(spec.memory, spec.num_bytes, spec.source_device, fill=True)
-        agent.register_memory(agent.get_reg_descs([(buf.addr, spec.num_bytes, buf.device, "")], spec.memory.value))
-        offer = {"metadata": agent.get_agent_metadata(), "addr": buf.addr, "device": buf.device}
-    except Exception as exc:
-        _send_frame(out, msgspec.msgpack.encode({"error": f"source: {type(exc).__name__}: {exc}"}))
+        agent.register([buf])
+        offer = SourceOffer(metadata=agent.metadata, addr=buf.addr, device_id=buf.device_id)
+    except Exception as exc:  # noqa: BLE001 - the parent must hear why, whatever it was (typed or from torch)
+        _send_frame(out, msgspec.msgpack.encode(ChildFailure(f"source: {type(exc).__name__}: {exc}")))
         return
     _send_frame(out, msgspec.msgpack.encode(offer))
     # Polling notifications progresses UCX on this side: a first READ from a new peer needs the target to
     # answer its connection set-up, and transports without one-sided reads (tcp) need it for every byte.
     fd = inp.fileno()
-    while time.monotonic() < deadline:
-        agent.get_new_notifs()
-        if select.select([fd], [], [], 0)[0]:  # the parent closed our stdin: the reader is done
-            break
+    try:
+        while time.monotonic() < deadline:
+            agent.get_notifs()
+            if select.select([fd], [], [], 0)[0]:  # the parent closed our stdin: the reader is done
+                break
+    finally:
+        agent.close()
 
 
 def _reader(spec: LoopbackSpec, inp: Any, out: Any, deadline: float) -> None:
     """READ the source's buffer once to warm up, then ``repeats`` timed times, verifying the bytes."""
-    base = {"memory": spec.memory.value, "num_bytes": spec.num_bytes,
-            "reader_device": spec.reader_device, "source_device": spec.source_device}
+    failed = LoopbackResult(memory=spec.memory, num_bytes=spec.num_bytes, reader_device=spec.reader_device,
+                            source_device=spec.source_device)
     try:
-        outcome = _read_loop(spec, inp, deadline)
-    except Exception as exc:
-        outcome = {"error": f"reader: {type(exc).__name__}: {exc}"}
-    _send_frame(out, msgspec.msgpack.encode({**base, **outcome}))
+        outcome = _read_loop(spec, inp, deadline, failed)
+    except Exception as exc:  # noqa: BLE001 - the parent must hear why, whatever it was (typed or from torch)
+        outcome = msgspec.structs.replace(failed, error=f"reader: {type(exc).__name__}: {exc}")
+    _send_frame(out, msgspec.msgpack.encode(outcome))
 
 
-def _read_loop(spec: LoopbackSpec, inp: Any, deadline: float) -> dict:
-    api = _import_api(spec)
-    import numpy as np
-
-    agent = _make_agent(api, READER_NAME)
-    buf = _Buffer(spec.memory, spec.num_bytes, spec.reader_device, fill=False)
-    mem = spec.memory.value
-    reg = agent.register_memory(agent.get_reg_descs([(buf.addr, spec.num_bytes, buf.device, "")], mem))
-    frame = _recv_frame(inp, deadline)
-    if frame is None:
-        return {"error": "the source's metadata did not arrive in time"}
-    offer = msgspec.msgpack.decode(frame)
-    if "error" in offer:
-        return {"error": offer["error"]}
-    remote_addr, remote_device = offer["addr"], offer["device"]
-    peer = agent.add_remote_agent(offer["metadata"])
-    local = agent.get_xfer_descs(np.array([[buf.addr, spec.num_bytes, buf.device]], dtype=np.int64), mem)
-    remote = agent.get_xfer_descs(np.array([[remote_addr, spec.num_bytes, remote_device]], dtype=np.int64), mem)
-    first_s = _timed_read(agent, local, remote, peer, deadline)
-    if not buf.holds_pattern():
-        return {"error": "the warm-up READ completed but the bytes differ from the source's", "first_read_s": first_s}
-    samples = []
-    for i in range(spec.repeats):
-        if i == spec.repeats - 1:
-            buf.clear()  # the last READ must prove itself too
-        samples.append(spec.num_bytes / _timed_read(agent, local, remote, peer, deadline) / 1e9)
-    verified = buf.holds_pattern()
-    out = {"verified": verified, "first_read_s": first_s, "gbps_samples": samples,
-           "gbps": statistics.median(samples) if samples else None}
-    if not verified:
-        out["error"] = "the last READ completed but the bytes differ from the source's"
-    agent.remove_remote_agent(peer)
-    agent.deregister_memory(reg)
-    return out
+_OFFER_DECODER = msgspec.msgpack.Decoder(SourceOffer | ChildFailure)
 
 
-def _timed_read(agent: Any, local: Any, remote: Any, peer: str, deadline: float) -> float:
-    """Post one READ and spin until it is DONE; its wall time in seconds (raises on ERR or deadline)."""
-    handle = agent.initialize_xfer("READ", local, remote, peer)
+def _read_loop(spec: LoopbackSpec, inp: Any, deadline: float, failed: LoopbackResult) -> LoopbackResult:
+    agent = _make_agent(spec, READER_NAME)
+    try:
+        buf = _Buffer(spec.memory, spec.num_bytes, spec.reader_device, fill=False)
+        agent.register([buf])
+        frame = _recv_frame(inp, deadline)
+        if frame is None:
+            return msgspec.structs.replace(failed, error="the source's metadata did not arrive in time")
+        offer = _OFFER_DECODER.decode(frame)
+        if isinstance(offer, ChildFailure):
+            return msgspec.structs.replace(failed, error=offer.error)
+        import numpy as np
+
+        peer = agent.add_remote(offer.metadata)
+        remote = np.array([[offer.addr, spec.num_bytes, offer.device_id]], dtype=np.int64)
+        first_s = _timed_read(agent, peer, buf.descs(), remote, deadline)
+        if not buf.holds_pattern():
+            return msgspec.structs.replace(failed, first_read_s=first_s,
+                                           error="the warm-up READ completed but the bytes differ from the source's")
+        samples = []
+        for i in range(spec.repeats):
+            if i == spec.repeats - 1:
+                buf.clear()  # the last READ must prove itself too
+            samples.append(spec.num_bytes / _timed_read(agent, peer, buf.descs(), remote, deadline) / 1e9)
+        verified = buf.holds_pattern()
+        return msgspec.structs.replace(
+            failed, verified=verified, first_read_s=first_s, gbps_samples=tuple(samples),
+            gbps=statistics.median(samples) if samples else None,
+            error=None if verified else "the last READ completed but the bytes differ from the source's")
+    finally:
+        agent.close()
+
+
+def _timed_read(agent: Any, peer: str, local: Any, remote: Any, deadline: float) -> float:
+    """Post one READ and spin until it is DONE; its wall time in seconds.
+
+    Raises:
+        EngineError: the READ ended in error, or was still in progress at the deadline.
+    """
+    from hybrid_transfer.engine.state import XferState
+    from hybrid_transfer.errors import EngineError
+
     start = time.perf_counter()
-    state = agent.transfer(handle)
-    while state == "PROC":
+    xfer = agent.post_read(peer, local, remote)
+    while agent.check(xfer) is XferState.PROC:
         if time.monotonic() > deadline:
-            raise TimeoutError("a READ was still in progress at the deadline")
-        state = agent.check_xfer_state(handle)
+            agent.release(xfer)
+            raise EngineError("the READ was still in progress at the deadline", operation="READ",
+                              agent=agent.name, peer=peer)
     elapsed = time.perf_counter() - start
-    if state != "DONE":
-        raise RuntimeError(f"READ ended in state {state}")
-    agent.release_xfer_handle(handle)
+    if xfer.state is not XferState.DONE:
+        raise xfer.error or EngineError(f"the READ ended {xfer.state.value}", operation="READ", agent=agent.name,
+                                        peer=peer)
+    agent.release(xfer)
     return elapsed

@@ -1,4 +1,4 @@
-"""doctor's checks (hybrid_transfer.engine.diagnostics*): structure, verdicts on injected outcomes, real loopback READs.
+"""doctor's checks (hybrid_transfer.doctor): structure, verdicts on injected outcomes, real loopback READs.
 
 The UCX tables below are lines UCX 1.23.0 (nixl-cu13 1.5.1) printed with UCX_PROTO_INFO=y: a DRAM READ on
 this 2-core host, and VRAM READs on an H200 with default settings (tcp) and with
@@ -15,7 +15,22 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_transfer.engine.diagnostics import (
+from hybrid_transfer.doctor.host import (
+    check_nixl_import,
+    check_progress_thread,
+    check_side_channel_port,
+    check_ucx_backend,
+    judge_progress_thread,
+)
+from hybrid_transfer.doctor.loopback import READER_NAME, LoopbackResult, Memory, run_loopback
+from hybrid_transfer.doctor.paths import (
+    CUDA_IPC_GET_VAR,
+    check_cuda_ipc,
+    check_loopback,
+    check_transports,
+    observed_transports,
+)
+from hybrid_transfer.doctor.types import (
     CheckResult,
     Device,
     DoctorOptions,
@@ -23,22 +38,7 @@ from hybrid_transfer.engine.diagnostics import (
     Status,
     not_run,
 )
-from hybrid_transfer.engine.diagnostics_host import (
-    check_nixl_import,
-    check_progress_thread,
-    check_side_channel_port,
-    check_ucx_backend,
-    judge_progress_thread,
-)
-from hybrid_transfer.engine.diagnostics_loopback import READER_NAME, LoopbackResult, Memory, run_loopback
-from hybrid_transfer.engine.diagnostics_paths import (
-    CUDA_IPC_GET_VAR,
-    check_cuda_ipc,
-    check_loopback,
-    check_transports,
-    observed_transports,
-)
-from hybrid_transfer.engine.diagnostics_ucx import parse_proto_tables, read_tables
+from hybrid_transfer.doctor.ucx_tables import parse_proto_tables, read_tables
 from hybrid_transfer.errors import ConfigError
 
 P = "[1795959126.047886] [vm:8284 :0]   "

@@ -1,0 +1,63 @@
+"""Consumer agents a producer rank accepted at the handshake but that have not said Hello yet.
+
+The handshake is unauthenticated and costs a peer one message, so what it leaves behind must be
+bounded: at most ``capacity`` names (the oldest is evicted first), each dropped ``deadline_s``
+after its handshake on the producer's clock. A real consumer says Hello within one of its polls
+of the reply; an evicted or expired one that says Hello later is treated as a stranger (its
+requests then fail at its read deadline), which is the price of bounding the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class PendingHandshakes:
+    """Written by the listener thread (``add``) and the owner thread (the rest); one lock guards both."""
+
+    def __init__(self, clock: Callable[[], float], deadline_s: float, capacity: int):
+        self._clock = clock
+        self._deadline_s = deadline_s
+        self._capacity = capacity
+        self._lock = threading.Lock()
+        self._since: OrderedDict[str, float] = OrderedDict()  # oldest first
+        self.num_evicted = 0  # pushed out by the cap
+        self.num_expired = 0  # dropped at their deadline
+
+    def add(self, agent_name: str) -> None:
+        """A handshake from ``agent_name`` was accepted (a repeated one restarts its deadline)."""
+        now = self._clock()
+        with self._lock:
+            self._since.pop(agent_name, None)
+            self._since[agent_name] = now
+            while len(self._since) > self._capacity:
+                self._since.popitem(last=False)
+                self.num_evicted += 1
+
+    def __contains__(self, agent_name: object) -> bool:
+        with self._lock:
+            return agent_name in self._since
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._since)
+
+    def discard(self, agent_name: str) -> None:
+        with self._lock:
+            self._since.pop(agent_name, None)
+
+    def expire(self) -> int:
+        """Drop every name past its deadline; how many were dropped."""
+        cutoff = self._clock() - self._deadline_s
+        dropped = 0
+        with self._lock:
+            while self._since:
+                name, since = next(iter(self._since.items()))
+                if since > cutoff:
+                    break
+                del self._since[name]
+                dropped += 1
+        self.num_expired += dropped
+        return dropped

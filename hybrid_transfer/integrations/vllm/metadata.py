@@ -1,0 +1,55 @@
+"""What the connector's two halves tell each other: per-step orders (scheduler -> workers) and
+each worker's identity (workers -> scheduler, once, through vLLM's handshake-metadata path).
+
+Both travel inside vLLM's own messages (SchedulerOutput, the engine core's handshake collection),
+which vLLM pickles; tickets are msgspec Structs, which pickle too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+from hybrid_transfer.engine.wire import Ticket
+
+
+@dataclass
+class HandshakeCard(KVConnectorHandshakeMetadata):
+    """A producer rank's RankCard (engine/tickets.py) as bytes: what the scheduler issues tickets from."""
+
+    card: bytes
+
+
+@dataclass(frozen=True)
+class ReadOrder:
+    """Decode side: read ``ticket`` into ``local_block_ids`` (our group order)."""
+
+    ticket: Ticket
+    local_block_ids: tuple[tuple[int, ...], ...]
+    expected_state_position: int
+
+
+@dataclass(frozen=True)
+class DeclineOrder:
+    """Decode side: tell the ticket's producer ranks this engine will not read it.
+
+    ``report``: also report the request as finished receiving (vLLM waits for it when the request
+    was already parked in WAITING_FOR_REMOTE_KVS).
+    """
+
+    ticket: Ticket
+    report: bool
+
+
+@dataclass
+class HybridConnectorMetadata(KVConnectorMetadata):
+    """One step's orders for every worker of the engine (each acts on its own rank)."""
+
+    holds: dict[str, Ticket] = field(default_factory=dict)  # prefill: pin these (same nonce on every rank)
+    reads: dict[str, ReadOrder] = field(default_factory=dict)
+    aborts: list[str] = field(default_factory=list)  # decode: reads to abort (ids from earlier steps)
+    declines: dict[str, DeclineOrder] = field(default_factory=dict)
+
+    def is_empty(self) -> bool:
+        return not (self.holds or self.reads or self.aborts or self.declines)

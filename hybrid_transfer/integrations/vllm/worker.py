@@ -1,0 +1,164 @@
+"""The connector's worker half: one per TP rank, in vLLM's worker process, on its RPC thread.
+
+A prefill rank owns a Producer over vLLM's cache; a decode rank owns a Consumer (created on its
+first read, so a prefill-only engine opens no second NIXL agent). vLLM calls every hook from one
+thread, once per engine step, which is exactly the engine's threading contract: ``poll`` runs in
+``get_transfer_results``, nothing here blocks on the network, and ``start_load_kv`` returns at once.
+
+Failures are per request: vLLM 0.33 refuses block-level load errors for models with more than one
+cache group, so a failed read is reported in ``failed_recving`` (and ``finished_recving``) and vLLM
+recomputes the prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.engine.consumer import Consumer
+from hybrid_transfer.engine.producer import Producer
+from hybrid_transfer.engine.state import ReadState
+from hybrid_transfer.engine.tickets import encode_rank_card
+from hybrid_transfer.errors import HybridTransferError
+from hybrid_transfer.integrations.vllm.geometry import EngineCache
+from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata, ReadOrder
+
+log = logging.getLogger(__name__)
+
+
+class WorkerSide:
+    """Transfers of one TP rank: holds on prefill, reads on decode."""
+
+    def __init__(self, engine: EngineCache, config: EngineConfig, *, engine_id: str, incarnation: int,
+                 is_producer: bool, is_consumer: bool):
+        self.engine = engine
+        self.config = config
+        self.engine_id = engine_id
+        self.incarnation = incarnation
+        geometry = engine.cache.geometry
+        self.tp_rank, self.tp_size = geometry.tp_rank, geometry.tp_size
+        self.is_consumer = is_consumer
+        self.producer: Producer | None = None
+        self._consumer: Consumer | None = None
+        if is_producer:
+            self.producer = Producer(engine.cache, config, engine_id=engine_id, incarnation=incarnation)
+        self._unheld: dict[str, float] = {}  # holds refused -> when to report them finished sending
+        # Decode: ticket request id (the producer's) -> our request id, and what a finished read needs.
+        self._reads: dict[str, tuple[str, ReadOrder]] = {}
+        self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    @property
+    def consumer(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = Consumer(self.engine.cache, self.config, engine_id=f"{self.engine_id}-d")
+        return self._consumer
+
+    def card(self) -> HandshakeCard | None:
+        """What the scheduler issues tickets from; None on a rank without a producer (nothing to hand off)."""
+        return HandshakeCard(encode_rank_card(self.producer.rank_card)) if self.producer is not None else None
+
+    # ---- each step ------------------------------------------------------------------
+    def start(self, meta: HybridConnectorMetadata) -> None:
+        """Act on one step's orders; returns without waiting for the network."""
+        for rid, ticket in meta.holds.items():
+            self._hold(rid, ticket)
+        for rid, order in meta.reads.items():
+            self._read(rid, order)
+        for rid in meta.aborts:
+            self._abort(rid)
+        for rid, decline in meta.declines.items():
+            self._decline(rid, decline.ticket)
+            if decline.report:
+                self._finished_recving.add(rid)
+
+    def _hold(self, rid: str, ticket) -> None:
+        producer = self.producer
+        if producer is None:
+            log.error("hybrid-transfer: rank %d has no producer (kv_role) but was told to hold %s", self.tp_rank, rid)
+            return
+        try:
+            producer.hold(rid, ticket=ticket)  # refuses a ticket that disagrees with this rank, before pinning
+        except HybridTransferError as exc:
+            # vLLM keeps the blocks until finished_sending. A consumer may still read them with the
+            # ticket it got: release them only after the lease a held request would have had.
+            log.error("hybrid-transfer: rank %d cannot hold %s: %s", self.tp_rank, rid, exc)
+            self._unheld[rid] = time.monotonic() + self.config.lease_s
+
+    def _read(self, rid: str, order: ReadOrder) -> None:
+        key = order.ticket.request_id
+        try:
+            self.consumer.start_read(order.ticket, order.local_block_ids,
+                                     expected_state_position=order.expected_state_position)
+        except HybridTransferError as exc:
+            log.error("hybrid-transfer: read of %s refused before any byte moved: %s", rid, exc)
+            self._finished_recving.add(rid)
+            self._failed_recving.add(rid)
+            return
+        self._reads[key] = (rid, order)
+
+    def _abort(self, rid: str) -> None:
+        key = next((k for k, (r, _) in self._reads.items() if r == rid), None)
+        if key is not None:
+            self.consumer.abort(key)
+
+    def _decline(self, rid: str, ticket) -> None:
+        try:
+            self.consumer.decline(ticket)
+        except HybridTransferError as exc:  # the producer's lease frees its blocks instead
+            log.warning("hybrid-transfer: could not decline %s: %s", rid, exc)
+
+    def results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        sending = set(self.producer.poll()) if self.producer is not None else set()
+        now = time.monotonic()
+        for rid in [r for r, at in self._unheld.items() if at <= now]:
+            del self._unheld[rid]
+            sending.add(rid)
+        if self._consumer is not None:
+            for result in self._consumer.poll():
+                entry = self._reads.pop(result.request_id, None)
+                if entry is None:
+                    continue
+                rid, order = entry
+                self._finished_recving.add(rid)
+                if result.state is ReadState.DONE:
+                    self._zero_tail(order)
+                elif result.state is ReadState.FAILED:
+                    log.warning("hybrid-transfer: read of %s failed (%s): vLLM recomputes it", rid, result.error)
+                    self._failed_recving.add(rid)
+        recving, failed = self._finished_recving, self._failed_recving
+        self._finished_recving, self._failed_recving = set(), set()
+        return sending, recving, failed
+
+    def _zero_tail(self, order: ReadOrder) -> None:
+        """Zero the untransferred token tail of the last attention block a read filled.
+
+        vLLM skips its own zeroing of blocks an asynchronous load fills (it would race the READ),
+        and the plan moves valid tokens only: without this, decode would later attend over stale
+        bytes in the tail of that block.
+        """
+        n = order.ticket.num_tokens
+        g = self.engine.cache.geometry
+        rem = n % g.block_size
+        if rem == 0:
+            return
+        ratio, kbs = g.kernel_ratio, g.kernel_block_size
+        for group_index, is_attention in enumerate(self.engine.group_map.attention_mask):
+            if not is_attention:
+                continue
+            block = order.local_block_ids[group_index][n // g.block_size]
+            first_kernel, within = divmod(rem, kbs)
+            for layer in g.tensor_map.groups[group_index].layers:
+                view = self.engine.attention_views[layer]  # [kernel blocks, heads, tokens, K|V]
+                base = block * ratio + first_kernel
+                view[base, :, within:].zero_()
+                if first_kernel + 1 < ratio:
+                    view[base + 1: block * ratio + ratio].zero_()
+
+    def close(self) -> None:
+        for engine in (self._consumer, self.producer):
+            if engine is not None:
+                engine.close()
+

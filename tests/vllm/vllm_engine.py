@@ -1,0 +1,143 @@
+"""Real vLLM 0.33 pieces for the connector tests: configs, cache configs, schedulers, requests.
+
+Everything that decides a size (page sizes, the padded state page, block sizes, group order,
+the cache tensors) is computed by vLLM's own code from a tiny local Qwen3-Next config; these
+helpers only choose the knobs (block size, TP size, number of blocks) and assemble the parts
+the way vLLM's engine core does.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import torch
+from tiny_model import TINY_CONFIG
+from vllm.config import (
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.model_executor.layers.mamba.abstract import MambaAttentionBackendEnum
+from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+
+MAX_MODEL_LEN = 2048
+CONNECTOR = {"kv_connector": "HybridNixlConnector", "kv_connector_module_path": "hybrid_transfer.integrations.vllm"}
+
+
+def write_tiny_model(directory: Path, *, layer_types: list[str] | None = None) -> Path:
+    """A local Qwen3-Next config.json with the tests' tiny cache dimensions (no weights: none are loaded).
+
+    ``layer_types`` overrides the hybrid pattern (e.g. all "full_attention" for an attention-only model).
+    """
+    cfg = {
+        "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
+        "num_hidden_layers": TINY_CONFIG["num_hidden_layers"],
+        "full_attention_interval": TINY_CONFIG["full_attention_interval"],
+        "num_attention_heads": 4, "num_key_value_heads": TINY_CONFIG["num_key_value_heads"],
+        "head_dim": TINY_CONFIG["head_dim"],
+        **{k: TINY_CONFIG[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                       "linear_value_head_dim", "linear_conv_kernel_dim")},
+        "hidden_size": 32, "intermediate_size": 64, "vocab_size": 256, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "max_position_embeddings": 4096,
+        "torch_dtype": "bfloat16", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+    }
+    if layer_types is not None:
+        cfg["layer_types"] = layer_types
+        del cfg["full_attention_interval"]
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    return directory
+
+
+def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role: str, extra: dict | None = None,
+                     max_num_batched_tokens: int = 4096, engine_id: str | None = None,
+                     scheduler_reserve_full_isl: bool = True, kv_load_failure_policy: str = "recompute") -> VllmConfig:
+    """One engine's config: the tiny model at ``tp_size`` with an explicitly configured block size."""
+    model = ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
+                        enforce_eager=True)
+    kvt = KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=engine_id or f"e-{uuid.uuid4().hex[:8]}",
+                           kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=kv_load_failure_policy)
+    cfg = VllmConfig(
+        model_config=model,
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
+                                         max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
+                                         scheduler_reserve_full_isl=scheduler_reserve_full_isl),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        device_config=DeviceConfig("cpu"),
+        kv_transfer_config=kvt,
+    )
+    cfg.cache_config.kv_cache_layout = "LBHNC"
+    return cfg
+
+
+def layer_specs(cfg: VllmConfig) -> dict:
+    """Per-layer specs as the model's layers would report them, with vLLM's own shapes, dtypes and page sizes."""
+    hf = cfg.model_config.hf_text_config
+    tp = cfg.parallel_config.tensor_parallel_size
+    block_size = cfg.cache_config.block_size
+    attention = FullAttentionSpec(block_size=block_size, num_kv_heads=max(1, hf.num_key_value_heads // tp),
+                                  head_size=hf.head_dim, dtype=cfg.model_config.dtype)
+    # vLLM pads the state page to the attention page (platforms/interface.py does the same sum).
+    mamba = None if "linear_attention" not in hf.layer_types else MambaSpec(block_size=MAX_MODEL_LEN, shapes=Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg),
+                      dtypes=Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg),
+                      page_size_padded=attention.page_size_bytes, mamba_cache_mode="none",
+                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    specs = {}
+    for i in range(hf.num_hidden_layers):
+        if hf.layer_types[i] == "full_attention":
+            specs[f"model.layers.{i}.self_attn.attn"] = attention
+        else:
+            specs[f"model.layers.{i}.linear_attn"] = mamba
+    return specs
+
+
+def make_kv_cache_config(cfg: VllmConfig, num_blocks: int) -> KVCacheConfig:
+    """vLLM's grouping and tensor placement for ``num_blocks`` blocks."""
+    specs = layer_specs(cfg)
+    groups = get_kv_cache_groups(cfg, specs)
+    page = next(iter(specs.values())).page_size_bytes
+    num_slots = len(groups[0].layer_names)
+    cfg.cache_config.num_gpu_blocks_override = num_blocks
+    kvc = get_kv_cache_config_from_groups(cfg, groups, available_memory=num_blocks * page * num_slots)
+    kvc.kv_cache_layout = "LBHNC"
+    return kvc
+
+
+def make_scheduler(cfg: VllmConfig, kvc: KVCacheConfig) -> Scheduler:
+    """vLLM's v1 Scheduler, built as EngineCore builds it (block sizes resolved by vLLM)."""
+    cfg.cache_config.num_gpu_blocks = kvc.num_blocks
+    scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kvc, cfg)
+    return Scheduler(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(cfg), block_size=scheduler_block_size,
+                     hash_block_size=hash_block_size)
+
+
+def make_request(request_id: str, num_tokens: int, *, max_tokens: int = 2, params: dict | None = None) -> Request:
+    """A request of ``num_tokens`` prompt tokens carrying ``params`` as its kv_transfer_params."""
+    extra = {"kv_transfer_params": params} if params is not None else None
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
+    tokens = [(7 * i + 3) % 200 + 1 for i in range(num_tokens)]
+    return Request(request_id, tokens, sampling, None)
+
+
+def kernel_block_sizes(kvc: KVCacheConfig) -> list[int]:
+    """Kernel block = logical block, as FlashAttention-style backends give (ratio 1)."""
+    return [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
+
+
+def cpu() -> torch.device:
+    return torch.device("cpu")
