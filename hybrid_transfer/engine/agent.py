@@ -145,13 +145,10 @@ class NixlAgent:
         plugins = sorted(self._agent.get_plugin_list())
         if "UCX" not in plugins:
             raise EngineError(f"no UCX plugin was found (plugins: {plugins})", operation="create agent", agent=name)
-        self.backend_params: dict[str, str] | None = None  # what the UCX backend was created with
-        self._ensure_backend(device_memory)
+        self.backend_params = self._create_backend(device_memory)  # what the UCX backend was created with
 
-    def _ensure_backend(self, device_memory: bool) -> None:
-        """Create the UCX backend once, with the thread-pool parameters for this memory kind."""
-        if self.backend_params is not None:
-            return
+    def _create_backend(self, device_memory: bool) -> dict[str, str]:
+        """The UCX backend, with the thread-pool parameters for this memory kind (config.py)."""
         params = self.config.backend_params(device_memory)
         try:
             self._agent.create_backend("UCX", params)
@@ -161,8 +158,8 @@ class NixlAgent:
         if "UCX" not in self._agent.backends:
             raise EngineError(f"the UCX plugin loaded but did not come up (parameters {params})",
                               operation="create agent", agent=self.name)
-        self.backend_params = params
         log.debug("agent %s: UCX backend %s", self.name, params or "with NIXL's defaults")
+        return params
 
     # ---- what NIXL loaded (the doctor reports it) -----------------------------------------
     @property
