@@ -60,7 +60,7 @@ HIDDEN, VOCAB, NUM_Q_HEADS, WEIGHT_SEED = 32, 97, 4, 1234
 GDN_OUT_GAIN, ATTENTION_OUT_GAIN = 30.0, 0.2
 KV_DTYPE, CONV_DTYPE, SSM_DTYPE = torch.bfloat16, torch.bfloat16, torch.float32  # as the cache stores them
 
-PROMPT_TOKENS = 41  # N: the prefill side moves N-1 = 40, the decode side computes token 40 itself
+PROMPT_TOKENS = 41  # N: the prefill side moves N-1 = 40, the decode side computes token 40 itself (docs/n-minus-1.md)
 DECODE_STEPS = 32
 # The decode side uses twice the prefill block size, in two kernel blocks per logical block,
 # so tokens map between different block sizes and logical ids expand to kernel ids.
@@ -199,10 +199,10 @@ def make_prompt(n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
 
 
-# ---- the TP sharding rule, written out apart from the library's geometry ----------------------
+# ---- the TP sharding rule (docs/sharding.md), written out apart from the library's geometry ----
 # (so the transfer is checked against the rule itself, not against the library's reading of it)
 def kv_heads_of(tp: int, rank: int) -> range:
-    """KV heads of ``rank``: an even split, or one head replicated tp / K times when tp > K."""
+    """KV heads of ``rank``: an even split, or one head replicated tp / K times when tp > K (docs/sharding.md#kv-heads)."""
     k = MODEL.num_kv_heads
     if tp <= k:
         return range(rank * k // tp, (rank + 1) * k // tp)
@@ -210,7 +210,8 @@ def kv_heads_of(tp: int, rank: int) -> range:
 
 
 def conv_rows_of(tp: int, rank: int) -> list[int]:
-    """Global conv channels of ``rank`` in stored order [Q_r | K_r | V_r]: Q, K and V each split on its own."""
+    """Global conv channels of ``rank`` in stored order [Q_r | K_r | V_r]: Q, K and V each split on its own
+    (docs/sharding.md#conv-channels)."""
     m = MODEL
     qk, vd = m.linear_num_key_heads * m.linear_key_head_dim, m.linear_num_value_heads * m.linear_value_head_dim
     q = list(range(rank * qk // tp, (rank + 1) * qk // tp))
@@ -219,6 +220,7 @@ def conv_rows_of(tp: int, rank: int) -> list[int]:
 
 
 def value_heads_of(tp: int, rank: int) -> range:
+    """Recurrent-state value heads of ``rank`` (docs/sharding.md#value-heads)."""
     nv = MODEL.linear_num_value_heads
     return range(rank * nv // tp, (rank + 1) * nv // tp)
 
@@ -269,7 +271,8 @@ def read_shard(cache, block_ids, num_tokens: int) -> dict:
 
 
 def rebuild(shards: list[dict]) -> State:
-    """The full state from every decode rank's shard; every element must be covered, replicas must agree."""
+    """The full state from every decode rank's shard (docs/sharding.md#rebuild); every element must be
+    covered, and replicated KV heads must agree."""
     m = MODEL
     n = shards[0]["num_tokens"]
     s = State(n)

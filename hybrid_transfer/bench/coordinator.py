@@ -9,7 +9,8 @@ each round and every figure comes from the variant's median-GB/s round):
           together at a shared monotonic instant and keep ``--concurrency`` requests in flight
   verify  every request against the global-coordinate oracle (with --verify), outside the window
   plan    each decode rank plans the same requests again, timed one by one (engine variants)
-The coordinator passes block ids, tickets and results over pipes; it never touches NIXL.
+The coordinator passes block ids, tickets and results over pipes as typed messages (bench.messages);
+it never touches NIXL.
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
+
+from hybrid_transfer.bench import messages as m
 from hybrid_transfer.bench import sizing
 from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Variant
 from hybrid_transfer.bench.stats import (
@@ -34,7 +38,7 @@ from hybrid_transfer.bench.stats import (
     median_round,
     summarize,
 )
-from hybrid_transfer.bench.worker import STOP, EngineItem, RankSetup, worker_main
+from hybrid_transfer.bench.worker import worker_main
 from hybrid_transfer.errors import BenchError, ConfigError, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,7 @@ MEMORY_HEADROOM = 0.85  # refuse a CPU run whose estimate exceeds this share of 
 CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 StepCallback = Callable[[str], None]
+R = TypeVar("R", bound=m.Reply)
 
 
 @dataclass(frozen=True)
@@ -78,10 +83,11 @@ class RankProcess:
         self.process.start()
         child.close()
 
-    def send(self, op: str, *args: Any) -> None:
-        self.conn.send((op, args))
+    def send(self, cmd: m.Command) -> None:
+        self.conn.send_bytes(m.encode(cmd))
 
-    def recv(self, timeout_s: float = CALL_TIMEOUT_S) -> Any:
+    def recv(self, expected: type[R], timeout_s: float = CALL_TIMEOUT_S) -> R:
+        """The answer to the last command, of type ``expected`` (BenchError for Failed or anything else)."""
         deadline = time.monotonic() + timeout_s
         while not self.conn.poll(0.5):
             if not self.process.is_alive():
@@ -89,22 +95,19 @@ class RankProcess:
             if time.monotonic() >= deadline:
                 raise BenchError(f"no answer within {timeout_s} s", where=self.name)
         try:
-            status, value = self.conn.recv()
+            data = self.conn.recv_bytes()
         except (EOFError, OSError) as exc:
             raise BenchError(f"process closed its pipe ({type(exc).__name__})", where=self.name) from exc
-        if status == "err":
-            type_name, message = value
-            raise BenchError(f"{type_name}: {message}", where=self.name, remote_type=type_name)
-        return value
+        return m.decode_reply(data, expected, self.name)
 
-    def call(self, op: str, *args: Any) -> Any:
-        self.send(op, *args)
-        return self.recv()
+    def call(self, cmd: m.Command, expected: type[R]) -> R:
+        self.send(cmd)
+        return self.recv(expected)
 
     def close(self) -> None:
         if self.process.is_alive():
             try:
-                self.conn.send(None)
+                self.send(m.Shutdown())
             except (BrokenPipeError, OSError):
                 pass
             self.process.join(timeout=30)
@@ -114,11 +117,11 @@ class RankProcess:
         self.conn.close()
 
 
-def _all(procs: Sequence[RankProcess], op: str, *args: Any) -> list[Any]:
+def _all(procs: Sequence[RankProcess], cmd: m.Command, expected: type[R] = m.Done) -> list[R]:
     """The same command on every process at once; answers in process order."""
     for p in procs:
-        p.send(op, *args)
-    return [p.recv() for p in procs]
+        p.send(cmd)
+    return [p.recv(expected) for p in procs]
 
 
 def check_engine_modes(spec: BenchSpec) -> None:
@@ -167,7 +170,7 @@ class Coordinator:
         s = self.spec
         per_engine = 4 + (1 if s.verify else 0)  # open, warmup, timed, plan (+ verify)
         per_ceiling = 2 + (1 if s.verify else 0)
-        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v is Variant.CEILING else per_engine
+        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v.plan_mode is None else per_engine
                                                             for v in s.variants)
         return 2 + per_point * len(s.points)
 
@@ -214,22 +217,23 @@ class Coordinator:
         prefill_id, decode_id = f"prefill-{secrets.token_hex(3)}", f"decode-{secrets.token_hex(3)}"
         incarnation = secrets.randbits(62)
         p_blocks, d_blocks = sizing.pool_blocks(s, True), sizing.pool_blocks(s, False)
-        for r, p in enumerate(self.producers):
-            p.send("setup", RankSetup(s.preset, s.kv_dtype, True, s.prefill_tp, r, p_blocks, s.device.value,
-                                      s.gpu_of(True, r), threads, prefill_id, incarnation, s.mode.value, level,
-                                      poll_sleep_s, sizing.staging_bytes(s, True), s.backend_threads, s.kv_layout))
-        for r, c in enumerate(self.consumers):
-            c.send("setup", RankSetup(s.preset, s.kv_dtype, False, s.decode_tp, r, d_blocks, s.device.value,
-                                      s.gpu_of(False, r), threads, decode_id, 0, s.mode.value, level,
-                                      poll_sleep_s, sizing.staging_bytes(s, False), s.backend_threads,
-                                      s.kv_layout))
-        started = [p.recv() for p in self.producers]
+        for side, procs in ((True, self.producers), (False, self.consumers)):
+            for r, proc in enumerate(procs):
+                proc.send(m.Setup(m.RankSetup(
+                    preset=s.preset, kv_dtype=s.kv_dtype, is_prefill=side,
+                    tp_size=s.prefill_tp if side else s.decode_tp, tp_rank=r,
+                    num_blocks=p_blocks if side else d_blocks, device=s.device, gpu=s.gpu_of(side, r),
+                    torch_threads=threads, engine_id=prefill_id if side else decode_id,
+                    incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
+                    staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
+                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size)))
+        started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
-            c.recv()
-        self.addresses = [a for a, _ in started]
-        self.descriptors = [d for _, d in started]
+            c.recv(m.Done)
+        self.addresses = [st.address for st in started]
+        self.descriptors = [st.descriptor for st in started]
         if s.prefill_tp > 1:
-            _all(self.producers, "set_engine_addresses", self.addresses)
+            _all(self.producers, m.SetEngineAddresses(self.addresses))
         self._step("ranks started")
         self._open_ceiling()
         self._step("ceiling buffers ready")
@@ -240,20 +244,27 @@ class Coordinator:
         c = self.ceiling
         seeds = [self.spec.seed * 31 + r + 1 for r in range(self.spec.prefill_tp)]
         for r, p in enumerate(self.producers):
-            p.send("ceiling_open", c.slots, c.src_slot_bytes[r], seeds[r])
-        sources = [p.recv() for p in self.producers]
+            p.send(m.CeilingOpen(c.slots, c.src_slot_bytes[r], seeds[r]))
+        buffers = [p.recv(m.CeilingBuffer) for p in self.producers]
         for d, proc in enumerate(self.consumers):
-            proc.send("ceiling_open", c.slots, c.dst_slot_bytes[d], 0)
+            proc.send(m.CeilingOpen(c.slots, c.dst_slot_bytes[d], 0))
         for proc in self.consumers:
-            proc.recv()
+            proc.recv(m.Done)
         for d, proc in enumerate(self.consumers):
             ranks = Topology(self.spec.prefill_tp, self.spec.decode_tp, d).sources
-            proc.send("ceiling_add_sources", [
-                (s, metadata, base, c.src_slot_bytes[s], device_id, seeds[s])
-                for s in ranks for metadata, base, device_id in [sources[s]]
-            ])
+            proc.send(m.CeilingAddSources([
+                m.CeilingSource(s, buffers[s].metadata, buffers[s].base, c.src_slot_bytes[s], buffers[s].device_id,
+                                seeds[s])
+                for s in ranks
+            ]))
         for proc in self.consumers:
-            proc.recv()
+            proc.recv(m.Done)
+        lengths = sizing.source_bytes(self.spec, max(p.tokens for p in self.spec.points))
+        for d, proc in enumerate(self.consumers):
+            proc.send(m.CopyOpen([m.CopySourceSpec(s, n, self.spec.gpu_of(True, s), seeds[s])
+                                  for s, n in lengths[d].items()]))
+        for proc in self.consumers:
+            proc.recv(m.Done)
 
     def _close(self) -> None:
         for proc in self.consumers + self.producers:
@@ -268,7 +279,7 @@ class Coordinator:
         p_layouts, c_layouts = sizing.layouts(s, point, index)
         seeds = [sizing.request_seed(s, index, k) for k in range(s.requests)]
         if s.verify:
-            _all(self.producers, "fill", p_layouts, seeds)
+            _all(self.producers, m.Fill(p_layouts, seeds))
             self._step(f"point {index}: sources filled")
         lengths = sizing.source_bytes(s, point.tokens)
         rounds: dict[Variant, list[VariantStats]] = {v: [] for v in s.variants}
@@ -277,6 +288,8 @@ class Coordinator:
                 tag = f"p{index}-r{r}-{variant.value}"
                 if variant is Variant.CEILING:
                     rounds[variant].append(self._run_ceiling(tag, lengths))
+                elif variant is Variant.COPY:
+                    rounds[variant].append(self._run_ceiling(tag, lengths, copy=True))
                 else:
                     rounds[variant].append(self._run_engine(tag, point, variant, p_layouts, c_layouts, seeds))
         stats = {v.value: median_round(rs) for v, rs in rounds.items()}
@@ -294,23 +307,24 @@ class Coordinator:
     def _run_engine(self, tag: str, point: Point, variant: Variant, p_layouts, c_layouts,
                     seeds: list[int]) -> VariantStats:
         s = self.spec
-        _all(self.consumers, "open_consumer", variant.value, self.addresses[0], self.descriptors,
-             HANDSHAKE_TIMEOUT_S)
+        _all(self.consumers, m.OpenConsumer(variant.plan_mode, self.addresses[0], self.descriptors,
+                                            HANDSHAKE_TIMEOUT_S))
         self._step(f"{tag}: consumers connected")
         warm = min(s.warmup, s.requests)
         if warm:
             self._engine_phase(f"{tag}-warm", p_layouts[:warm], c_layouts[:warm])
         if s.verify:
-            _all(self.consumers, "poison")
+            _all(self.consumers, m.Poison())
         self._step(f"{tag}: warmed up")
         runs, serves = self._engine_phase(tag, p_layouts, c_layouts)
         self._step(f"{tag}: timed")
         if s.verify:
-            _all(self.consumers, "verify", c_layouts, seeds)
+            _all(self.consumers, m.Verify(c_layouts, seeds))
             self._step(f"{tag}: verified")
-        plans: list[PlanTiming] = _all(self.consumers, "plan_times", [c.block_ids for c in c_layouts],
-                                       [p.block_ids for p in p_layouts], point.tokens, variant.value)
-        _all(self.consumers, "close_consumer")
+        planned = _all(self.consumers, m.PlanTimes([c.block_ids for c in c_layouts], [p.block_ids for p in p_layouts],
+                                                   point.tokens, variant.plan_mode), m.Planned)
+        plans: list[PlanTiming] = [p.timing for p in planned]
+        _all(self.consumers, m.CloseConsumer())
         self._step(f"{tag}: planned again")
         return dataclasses.replace(summarize(variant.value, runs, serves, plans), verified=s.verify)
 
@@ -318,59 +332,64 @@ class Coordinator:
         from hybrid_transfer.engine import decode_ticket
 
         rids = [f"{tag}-{k}" for k in range(len(p_layouts))]
-        tickets, hold0 = self.producers[0].call("hold", rids, p_layouts, None)
+        held0 = self.producers[0].call(m.Hold(rids, p_layouts), m.Held)
+        tickets = held0.tickets
         nonces = [decode_ticket(t).nonce for t in tickets]
-        holds = [hold0] + [h for _, h in _all(self.producers[1:], "hold", rids, p_layouts, nonces)]
-        items = [EngineItem(rid, t, c.block_ids, c.num_tokens) for rid, t, c in zip(rids, tickets, c_layouts,
-                                                                                     strict=True)]
-        runs, serves = self._timed(rids, "run_engine", lambda _d: (items,))
+        holds = [held0.hold_s] + [h.hold_s for h in _all(self.producers[1:], m.Hold(rids, p_layouts, nonces), m.Held)]
+        items = [m.EngineItem(rid, t, c.block_ids, c.num_tokens) for rid, t, c in zip(rids, tickets, c_layouts,
+                                                                                       strict=True)]
+        runs, serves = self._timed(rids, lambda _d, start_at: m.RunEngine(items, self.spec.concurrency, start_at))
         missing = {p.rank: sorted(set(rids) - p.freed_at.keys()) for p in serves if set(rids) - p.freed_at.keys()}
         if missing:
             raise BenchError(f"prefill ranks never freed these requests (lost notifications?): {missing}",
                              where=tag)
-        serves = [dataclasses.replace(sv, hold_s=tuple(holds[sv.rank])) for sv in serves]
+        serves = [msgspec.structs.replace(sv, hold_s=tuple(holds[sv.rank])) for sv in serves]
         return runs, serves
 
-    def _timed(self, rids: list[str], op: str,
-               args_of: Callable[[int], tuple]) -> tuple[list[ConsumerRun], list[ProducerServe]]:
-        """Prefill ranks serve while decode rank d runs ``op(*args_of(d), concurrency, start)`` from one instant."""
+    def _timed(self, rids: list[str], command_of: Callable[[int, float], m.Command],
+               ) -> tuple[list[ConsumerRun], list[ProducerServe]]:
+        """Prefill ranks serve while decode rank d runs ``command_of(d, start_at)``, all from one instant."""
         for p in self.producers:
-            p.send("serve", rids)
+            p.send(m.Serve(rids))
         start_at = time.monotonic() + START_DELAY_S + 0.005 * len(self.consumers)
         try:
             for d, c in enumerate(self.consumers):
-                c.send(op, *args_of(d), self.spec.concurrency, start_at)
-            runs = [c.recv() for c in self.consumers]
+                c.send(command_of(d, start_at))
+            runs = [c.recv(m.Ran).run for c in self.consumers]
         finally:
             for p in self.producers:
                 try:
-                    p.conn.send(STOP)
+                    p.send(m.Stop())
                 except (BrokenPipeError, OSError):
                     pass
-        serves = [p.recv() for p in self.producers]
+        serves = [p.recv(m.Served).serve for p in self.producers]
         return runs, serves
 
-    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]]) -> VariantStats:
+    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]], copy: bool = False) -> VariantStats:
+        """The ceiling's READs, or with ``copy`` the physical limit's torch copies (same slots, same bytes)."""
         s = self.spec
         warm = min(s.warmup, s.requests)
         if warm:
-            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths)
+            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths, copy)
         if s.verify:
-            _all(self.consumers, "poison")
+            _all(self.consumers, m.Poison())
         self._step(f"{tag}: warmed up")
-        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths)
+        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths, copy)
         self._step(f"{tag}: timed")
         if s.verify:
             slots_used = min(self.ceiling.slots, s.requests)
+            check = m.CopyVerify if copy else m.CeilingVerify
             for d, proc in enumerate(self.consumers):
-                proc.send("ceiling_verify", slots_used, lengths[d])
+                proc.send(check(slots_used, lengths[d]))
             for proc in self.consumers:
-                proc.recv()
+                proc.recv(m.Done)
             self._step(f"{tag}: verified")
-        return dataclasses.replace(summarize(Variant.CEILING.value, runs, serves), verified=s.verify)
+        variant = Variant.COPY if copy else Variant.CEILING
+        return dataclasses.replace(summarize(variant.value, runs, serves), verified=s.verify)
 
-    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]]):
-        return self._timed([], "run_ceiling", lambda d: (rids, lengths[d]))
+    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]], copy: bool = False):
+        run = m.RunCopy if copy else m.RunCeiling
+        return self._timed([], lambda d, start_at: run(rids, lengths[d], self.spec.concurrency, start_at))
 
 
 def run_bench(spec: BenchSpec, on_step: StepCallback | None = None) -> BenchResult:

@@ -1,5 +1,7 @@
 """Timing records from the rank processes, and the figures a variant reports (pure, no clocks).
 
+The records are msgspec Structs: rank processes send them to the coordinator inside bench.messages replies.
+
 Every time is ``time.monotonic()`` of the process that took it. CLOCK_MONOTONIC is one clock for
 the whole host on Linux, so times of different processes on ONE host compare; never across hosts.
 """
@@ -10,11 +12,12 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
+import msgspec
+
 from hybrid_transfer.errors import ConfigError
 
 
-@dataclass(frozen=True)
-class RequestTiming:
+class RequestTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One request on one decode rank.
 
     t_post: just before start_read (or the ceiling's post); t_posted: when that call returned;
@@ -40,8 +43,7 @@ class RequestTiming:
     fallback_sources: int = 0
 
 
-@dataclass(frozen=True)
-class ConsumerRun:
+class ConsumerRun(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A decode rank's timed phase: its requests and the CPU seconds its process used meanwhile."""
 
     rank: int
@@ -49,8 +51,7 @@ class ConsumerRun:
     cpu_s: float
 
 
-@dataclass(frozen=True)
-class ProducerServe:
+class ProducerServe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A prefill rank during a timed phase: when it freed each request, its CPU seconds, its hold times."""
 
     rank: int
@@ -59,8 +60,7 @@ class ProducerServe:
     hold_s: tuple[float, ...] = ()
 
 
-@dataclass(frozen=True)
-class PlanTiming:
+class PlanTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Planner figures of one decode rank, measured outside the timed window (same planner, same ids)."""
 
     rank: int

@@ -1,11 +1,12 @@
 """One rank process of the benchmark: a Producer or a Consumer over its own cache, plus a ceiling agent.
 
-The coordinator sends commands over a Pipe; they run one at a time on the process's main thread,
+The coordinator sends typed commands (bench.messages) over a Pipe; each runs on the process's main thread,
 which owns every NIXL agent here. Between commands each rank keeps polling (progress is OFF,
 DESIGN 7): a prefill rank its Producer and ceiling agent (a target that never polls stalls a first
 READ), a decode rank its Consumer (which flushes its last completion notifications).
-Timed windows live inside ``run_engine`` / ``run_ceiling`` (decode ranks) and ``serve`` (prefill
-ranks); filling, poisoning, planning again and verifying happen in other commands, outside them.
+one at a time, in the handler HANDLERS maps its type to, and is answered with one typed reply.
+Timed windows live inside RunEngine / RunCeiling (decode ranks) and Serve (prefill ranks); filling,
+poisoning, planning again and verifying happen in other commands, outside them.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import collections
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from hybrid_transfer.bench import messages as m
+from hybrid_transfer.bench.spec import Device
 from hybrid_transfer.bench.stats import ConsumerRun, PlanTiming, ProducerServe, RequestTiming
 from hybrid_transfer.errors import BenchError, ConfigError
 
@@ -24,59 +29,26 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.002  # wait for the next command between rounds of polling
 SERVE_POLL_S = 0.001  # producer poll interval in a timed window: bounds the notification lag, costs CPU
-STOP_GRACE_S = 10.0  # after "stop", how long a prefill rank still waits for outstanding frees
-STOP = "stop"
-
-
-@dataclass(frozen=True)
-class RankSetup:
-    """Everything a rank process needs to build its cache and engine."""
-
-    preset: str
-    kv_dtype: str | None
-    is_prefill: bool
-    tp_size: int
-    tp_rank: int
-    num_blocks: int
-    device: str  # "cpu" or "cuda"
-    gpu: int
-    torch_threads: int
-    engine_id: str
-    incarnation: int
-    mode: str  # the run's chosen plan mode (producers are built with it)
-    log_level: str = "WARNING"
-    poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
-    staging_bytes: int = 256 << 20  # pack / auto staging pool (sizing.staging_bytes)
-    backend_threads: int = 0  # EngineConfig.num_backend_threads
-    kv_layout: str = "interleaved"  # KVLayout value of both sides
-
-
-@dataclass(frozen=True)
-class EngineItem:
-    """One request as a decode rank reads it."""
-
-    request_id: str
-    ticket: bytes
-    local_block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int
+STOP_GRACE_S = 10.0  # after Stop, how long a prefill rank still waits for outstanding frees
 
 
 class _Rank:
     def __init__(self, conn):
         self.conn = conn
-        self.setup: RankSetup | None = None
+        self.setup: m.RankSetup | None = None
         self.cache: Any = None
         self.producer: Any = None
         self.consumer: Any = None
         self.planner: Any = None
-        self.mode: str | None = None  # the open consumer's plan mode
+        self.mode: Any = None  # the open consumer's PlanMode
         self.ceiling: Any = None
+        self.copy: Any = None  # the physical-limit buffers (decode ranks)
         self.freed: dict[str, float] = {}
 
     # ---- helpers ------------------------------------------------------------------
     def sync(self) -> None:
         """Wait for this process's device work: fills and poison must land before a READ may see them."""
-        if self.setup is not None and self.setup.device == "cuda":
+        if self.setup is not None and self.setup.device is Device.CUDA:
             import torch
 
             torch.cuda.synchronize()
@@ -92,6 +64,7 @@ class _Rank:
             self.ceiling.agent.get_notifs()  # the target of ceiling READs: progress it too
 
     def close(self) -> None:
+        self.copy = None
         for name in ("consumer", "ceiling", "producer"):
             obj = getattr(self, name)
             if obj is not None:
@@ -103,19 +76,19 @@ class _Rank:
 
 
 # ---- commands -------------------------------------------------------------------------------
-def op_setup(rank: _Rank, setup: RankSetup):
-    """Allocate the cache (on this rank's GPU for cuda); prefill ranks return (address, descriptor)."""
+def setup_rank(rank: _Rank, cmd: m.Setup) -> m.Reply:
+    """Allocate the cache (on this rank's GPU for cuda); a prefill rank builds its Producer."""
     import torch
 
     from hybrid_transfer.bench.spec import KV_DTYPES
     from hybrid_transfer.cache import HybridCache
-    from hybrid_transfer.engine import EngineConfig, Producer
+    from hybrid_transfer.engine import Producer
     from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset
-    from hybrid_transfer.plan.types import PlanMode
 
+    setup = cmd.rank
     torch.set_num_threads(setup.torch_threads)
     device = torch.device("cpu")
-    if setup.device == "cuda":
+    if setup.device is Device.CUDA:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if not 0 <= setup.gpu < count:
             side = "prefill" if setup.is_prefill else "decode"
@@ -128,33 +101,34 @@ def op_setup(rank: _Rank, setup: RankSetup):
     rank.setup = setup
     rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
     if not setup.is_prefill:
-        return None
-    config = EngineConfig(mode=PlanMode(setup.mode), staging_bytes=setup.staging_bytes,
-                          num_backend_threads=setup.backend_threads)
+        return m.Done()
+    config = setup.engine_config(mode=setup.mode, staging_bytes=setup.staging_bytes)
     rank.producer = Producer(rank.cache, config, engine_id=setup.engine_id,
                              incarnation=setup.incarnation)
-    return rank.producer.address, rank.producer.descriptor
+    return m.Started(rank.producer.address, rank.producer.descriptor)
 
 
-def op_set_engine_addresses(rank: _Rank, addresses):
-    rank.producer.set_engine_addresses(addresses)
+def set_engine_addresses(rank: _Rank, cmd: m.SetEngineAddresses) -> m.Reply:
+    rank.producer.set_engine_addresses(cmd.addresses)
+    return m.Done()
 
 
-def op_fill(rank: _Rank, layouts, seeds):
+def fill(rank: _Rank, cmd: m.Fill) -> m.Reply:
     from hybrid_transfer.verify import fill_source
 
-    for layout, seed in zip(layouts, seeds, strict=True):
+    for layout, seed in zip(cmd.layouts, cmd.seeds, strict=True):
         fill_source(rank.cache, layout, seed)
     rank.sync()
+    return m.Done()
 
 
-def op_hold(rank: _Rank, request_ids, layouts, nonces):
-    """Hold requests (rank 0 draws nonces, the others pass them); returns (ticket bytes, hold seconds)."""
+def hold(rank: _Rank, cmd: m.Hold) -> m.Reply:
+    """Hold requests (rank 0 draws nonces, the others pass them); answers ticket bytes and hold seconds."""
     from hybrid_transfer.engine import encode_ticket
 
     tickets, hold_s = [], []
-    for i, (rid, layout) in enumerate(zip(request_ids, layouts, strict=True)):
-        nonce = None if nonces is None else nonces[i]
+    for i, (rid, layout) in enumerate(zip(cmd.request_ids, cmd.layouts, strict=True)):
+        nonce = None if cmd.nonces is None else cmd.nonces[i]
         t0 = time.perf_counter()
         ticket = rank.producer.hold(rid, layout.block_ids, layout.num_tokens, nonce=nonce)
         hold_s.append(time.perf_counter() - t0)
@@ -163,67 +137,67 @@ def op_hold(rank: _Rank, request_ids, layouts, nonces):
     # the window opens, as it would between prefill and decode: it stays off the critical path (the engine
     # reports it as gather_s), and no stray gather competes with another variant's reads for bandwidth.
     rank.sync()
-    return tickets, hold_s
+    return m.Held(tickets, hold_s)
 
 
-def op_serve(rank: _Rank, request_ids):
-    """A prefill rank's timed window: poll until every request is freed and the coordinator says stop."""
+def serve(rank: _Rank, cmd: m.Serve) -> m.Reply:
+    """A prefill rank's timed window: poll until every request is freed and the coordinator says Stop."""
     cpu0 = time.process_time()
     stop_at = None
-    pending = set(request_ids)
+    pending = set(cmd.request_ids)
     while True:
         rank.poll_idle()
         pending -= rank.freed.keys()
         if stop_at is None and rank.conn.poll(0):
-            message = rank.conn.recv()
-            if message != STOP:
-                raise BenchError(f"expected {STOP!r} during serve, got {message!r}")
+            message = m.decode_command(rank.conn.recv_bytes())
+            if not isinstance(message, m.Stop):
+                raise BenchError(f"expected Stop during Serve, got {type(message).__name__}")
             stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is not None and (not pending or time.monotonic() >= stop_at):
             break
         time.sleep(SERVE_POLL_S)
     cpu_s = time.process_time() - cpu0
-    freed = {rid: rank.freed.pop(rid) for rid in request_ids if rid in rank.freed}
-    return ProducerServe(rank.setup.tp_rank, freed, cpu_s)
+    freed = {rid: rank.freed.pop(rid) for rid in cmd.request_ids if rid in rank.freed}
+    return m.Served(ProducerServe(rank.setup.tp_rank, freed, cpu_s))
 
 
-def op_open_consumer(rank: _Rank, mode: str, address: str, producer_descriptors, timeout_s: float):
+def open_consumer(rank: _Rank, cmd: m.OpenConsumer) -> m.Reply:
     """A Consumer in ``mode`` over this rank's cache, handshaked now (outside every timed window)."""
-    from hybrid_transfer.engine import Consumer, EngineConfig
+    from hybrid_transfer.engine import Consumer
     from hybrid_transfer.plan.planner import Planner
-    from hybrid_transfer.plan.types import PlanMode
 
     if rank.consumer is not None:
         rank.consumer.close()
-    config = EngineConfig(mode=PlanMode(mode), staging_bytes=rank.setup.staging_bytes,
-                          num_backend_threads=rank.setup.backend_threads)
+    config = rank.setup.engine_config(mode=cmd.mode, staging_bytes=rank.setup.staging_bytes)
     rank.consumer = Consumer(rank.cache, config, engine_id=rank.setup.engine_id)
-    rank.consumer.connect(address, timeout_s=timeout_s)
-    rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, producer_descriptors)
-    rank.mode = mode
+    rank.consumer.connect(cmd.address, timeout_s=cmd.timeout_s)
+    rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, cmd.producer_descriptors)
+    rank.mode = cmd.mode
+    return m.Done()
 
 
-def op_close_consumer(rank: _Rank):
+def close_consumer(rank: _Rank, cmd: m.CloseConsumer) -> m.Reply:
     if rank.consumer is not None:
         rank.consumer.close()
         rank.consumer = None
+    return m.Done()
 
 
-def op_run_engine(rank: _Rank, items, concurrency: int, start_at: float):
+def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
     """A decode rank's timed window: keep ``concurrency`` requests in flight until all are DONE."""
     from hybrid_transfer.engine import decode_ticket
 
     consumer = rank.consumer
     queue = collections.deque((it.request_id, decode_ticket(it.ticket), it.local_block_ids, it.num_tokens)
-                              for it in items)
+                              for it in cmd.items)
     in_flight: dict[str, tuple[float, float, int]] = {}
     timings: list[RequestTiming] = []
-    _sleep_until(start_at)
+    _sleep_until(cmd.start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
         # One post per round, then a poll: on CPU the copy may run inside the post, so posting the
         # whole window before the first poll would charge every request for its predecessors' copies.
-        if queue and len(in_flight) < concurrency:
+        if queue and len(in_flight) < cmd.concurrency:
             rid, ticket, local_ids, num_tokens = queue.popleft()
             t0 = time.monotonic()
             consumer.start_read(ticket, local_ids, expected_state_position=num_tokens)
@@ -246,14 +220,14 @@ def op_run_engine(rank: _Rank, items, concurrency: int, start_at: float):
                 r.request_id, t0, t1, r.finished_at, c1, payload, r.num_descriptors, (c1 - c0) / len(results),
                 gather_s=r.gather_s, query_s=r.query_s, scatter_s=r.scatter_s,
                 packed_sources=r.num_packed_sources, fallback_sources=r.num_fallback_sources))
-    return ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0)
+    return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
 
 
-def op_plan_times(rank: _Rank, local_ids, remote_ids, num_tokens: int, mode: str):
+def plan_times(rank: _Rank, cmd: m.PlanTimes) -> m.Reply:
     """Plan each request again with the engine's Planner class (same ids, same mode), timed one by one."""
-    from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
+    from hybrid_transfer.plan.types import PackSourcePlan
 
-    plan_mode = PlanMode(mode)
+    local_ids, remote_ids, num_tokens, plan_mode = cmd.local_ids, cmd.remote_ids, cmd.num_tokens, cmd.mode
     plan_s, descriptors, pieces = [], [], []
     rank.planner.plan(local_ids[0], remote_ids[0], num_tokens, plan_mode)  # fills the per-token-count cache
     for local, remote in zip(local_ids, remote_ids, strict=True):
@@ -263,67 +237,71 @@ def op_plan_times(rank: _Rank, local_ids, remote_ids, num_tokens: int, mode: str
         descriptors.append(plan.num_descriptors)
         pieces.append(sum(s.num_pieces if isinstance(s, PackSourcePlan) else s.num_descriptors
                           for s in plan.sources))
-    return PlanTiming(rank.setup.tp_rank, tuple(plan_s), tuple(descriptors), tuple(pieces))
+    return m.Planned(PlanTiming(rank.setup.tp_rank, tuple(plan_s), tuple(descriptors), tuple(pieces)))
 
 
-def op_poison(rank: _Rank):
-    from hybrid_transfer.verify import POISON_BYTE, poison
+def poison(rank: _Rank, cmd: m.Poison) -> m.Reply:
+    from hybrid_transfer.verify import POISON_BYTE
+    from hybrid_transfer.verify import poison as poison_cache
 
-    poison(rank.cache)
+    poison_cache(rank.cache)
     if rank.ceiling is not None:
         rank.ceiling.buffer.fill_(POISON_BYTE)
     rank.sync()
+    return m.Done()
 
 
-def op_verify(rank: _Rank, layouts, seeds):
+def verify(rank: _Rank, cmd: m.Verify) -> m.Reply:
     """Every byte of the cache against the global-coordinate oracle (raises VerificationError).
 
     Naive moves whole attention pages like vLLM, so only for it the unused tail of a last page is skipped.
     """
+    from hybrid_transfer.plan.types import PlanMode
     from hybrid_transfer.verify import check_destination_many
 
     rank.sync()
-    check_destination_many(rank.cache, list(zip(layouts, seeds, strict=True)),
-                           skip_attention_tails=rank.mode == "naive")
+    check_destination_many(rank.cache, list(zip(cmd.layouts, cmd.seeds, strict=True)),
+                           skip_attention_tails=rank.mode is PlanMode.NAIVE)
+    return m.Done()
 
 
-def op_ceiling_open(rank: _Rank, slots: int, slot_bytes: int, seed: int):
-    """This rank's ceiling agent and buffer; a prefill rank fills it and returns (metadata, base, device id)."""
+def ceiling_open(rank: _Rank, cmd: m.CeilingOpen) -> m.Reply:
+    """This rank's ceiling agent and buffer; a prefill rank fills it and answers where it lies."""
     import secrets
 
     from hybrid_transfer.bench.ceiling import CeilingEnd, fill_pattern
-    from hybrid_transfer.engine import EngineConfig
 
     s = rank.setup
     name = f"{s.engine_id}-ceiling-{'p' if s.is_prefill else 'c'}{s.tp_rank}-{secrets.token_hex(4)}"
-    rank.ceiling = CeilingEnd(name, EngineConfig(num_backend_threads=s.backend_threads), slots, slot_bytes, rank.cache.device)
+    rank.ceiling = CeilingEnd(name, s.engine_config(), cmd.slots, cmd.slot_bytes, rank.cache.device)
     if s.is_prefill:
-        fill_pattern(rank.ceiling.buffer, seed)
+        fill_pattern(rank.ceiling.buffer, cmd.seed)
         rank.sync()
-        return rank.ceiling.agent.metadata, rank.ceiling.base, rank.ceiling.device_id
-    return None
+        return m.CeilingBuffer(rank.ceiling.agent.metadata, rank.ceiling.base, rank.ceiling.device_id)
+    return m.Done()
 
 
-def op_ceiling_add_sources(rank: _Rank, sources):
-    """sources: (rank, metadata, base, slot bytes, device id, seed) of every prefill rank this rank reads."""
-    for source in sources:
-        rank.ceiling.add_source(*source)
+def ceiling_add_sources(rank: _Rank, cmd: m.CeilingAddSources) -> m.Reply:
+    """The ceiling buffers of every prefill rank this rank reads."""
+    for src in cmd.sources:
+        rank.ceiling.add_source(src.rank, src.metadata, src.base, src.slot_bytes, src.device_id, src.seed)
+    return m.Done()
 
 
-def op_run_ceiling(rank: _Rank, request_ids, lengths: dict[int, int], concurrency: int, start_at: float):
+def run_ceiling(rank: _Rank, cmd: m.RunCeiling) -> m.Reply:
     """A decode rank's ceiling window: per request one single-descriptor READ per source, ``concurrency`` deep."""
     from hybrid_transfer.engine.state import XferState
 
-    ceiling = rank.ceiling
-    queue = collections.deque(request_ids)
+    ceiling, lengths = rank.ceiling, cmd.lengths
+    queue = collections.deque(cmd.request_ids)
     free_slots = collections.deque(range(ceiling.slots))
     in_flight: dict[str, tuple[float, float, int, list]] = {}
     timings: list[RequestTiming] = []
     num_bytes = sum(lengths.values())
-    _sleep_until(start_at)
+    _sleep_until(cmd.start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
-        if queue and free_slots and len(in_flight) < concurrency:  # one post per round, as in run_engine
+        if queue and free_slots and len(in_flight) < cmd.concurrency:  # one post per round, as in run_engine
             rid, slot = queue.popleft(), free_slots.popleft()
             t0 = time.monotonic()
             handles = ceiling.post(slot, lengths)
@@ -346,20 +324,87 @@ def op_run_ceiling(rank: _Rank, request_ids, lengths: dict[int, int], concurrenc
                 ceiling.agent.release(h)
             free_slots.append(slot)
             timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(handles), (c1 - c0) / len(finished)))
-    return ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0)
+    return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
 
 
-def op_ceiling_verify(rank: _Rank, slots_used: int, lengths: dict[int, int]):
+def ceiling_verify(rank: _Rank, cmd: m.CeilingVerify) -> m.Reply:
     rank.sync()
-    for slot in range(slots_used):
-        rank.ceiling.check_slot(slot, lengths)
+    for slot in range(cmd.slots_used):
+        rank.ceiling.check_slot(slot, cmd.lengths)
+    return m.Done()
 
 
-def op_close(rank: _Rank):
-    rank.close()
+def copy_open(rank: _Rank, cmd: m.CopyOpen) -> m.Reply:
+    """The physical-limit buffers, one per source, on the source's GPU (cuda) and filled with its pattern."""
+    import torch
+
+    from hybrid_transfer.bench.ceiling import CopySource
+
+    cuda = rank.setup.device is Device.CUDA
+    rank.copy = CopySource(rank.ceiling, {
+        s.rank: (s.nbytes, torch.device("cuda", s.gpu) if cuda else torch.device("cpu"), s.seed)
+        for s in cmd.sources})
+    rank.sync()
+    return m.Done()
 
 
-_OPS = {name.removeprefix("op_"): fn for name, fn in globals().items() if name.startswith("op_")}
+def run_copy(rank: _Rank, cmd: m.RunCopy) -> m.Reply:
+    """A decode rank's physical-limit window: per request one torch copy per source, ``concurrency`` deep."""
+    copy, lengths = rank.copy, cmd.lengths
+    queue = collections.deque(cmd.request_ids)
+    free_slots = collections.deque(range(copy.ceiling.slots))
+    in_flight: dict[str, tuple[float, float, int, Any]] = {}
+    timings: list[RequestTiming] = []
+    num_bytes = sum(lengths.values())
+    _sleep_until(cmd.start_at)
+    cpu0 = time.process_time()
+    while queue or in_flight:
+        if queue and free_slots and len(in_flight) < cmd.concurrency:  # one post per round, as in run_engine
+            rid, slot = queue.popleft(), free_slots.popleft()
+            t0 = time.monotonic()
+            end = copy.post(slot, lengths)
+            in_flight[rid] = (t0, time.monotonic(), slot, end)
+        c0 = time.monotonic()
+        finished = [rid for rid, (_, _, _, end) in in_flight.items() if end is None or end.query()]
+        c1 = time.monotonic()
+        if not finished:
+            _wait(rank.setup.poll_sleep_s)
+            continue
+        for rid in finished:
+            t0, t1, slot, _ = in_flight.pop(rid)
+            free_slots.append(slot)
+            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(lengths), (c1 - c0) / len(finished)))
+    return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
+
+
+def copy_verify(rank: _Rank, cmd: m.CopyVerify) -> m.Reply:
+    rank.sync()
+    for slot in range(cmd.slots_used):
+        rank.copy.check_slot(slot, cmd.lengths)
+    return m.Done()
+
+
+# Every command a rank answers, by type (Stop and Shutdown are handled by the loops themselves).
+HANDLERS: dict[type[m.Command], Callable[[_Rank, Any], m.Reply]] = {
+    m.Setup: setup_rank,
+    m.SetEngineAddresses: set_engine_addresses,
+    m.Fill: fill,
+    m.Hold: hold,
+    m.Serve: serve,
+    m.OpenConsumer: open_consumer,
+    m.CloseConsumer: close_consumer,
+    m.RunEngine: run_engine,
+    m.PlanTimes: plan_times,
+    m.Poison: poison,
+    m.Verify: verify,
+    m.CeilingOpen: ceiling_open,
+    m.CeilingAddSources: ceiling_add_sources,
+    m.RunCeiling: run_ceiling,
+    m.CeilingVerify: ceiling_verify,
+    m.CopyOpen: copy_open,
+    m.RunCopy: run_copy,
+    m.CopyVerify: copy_verify,
+}
 
 
 def _wait(seconds: float) -> None:
@@ -376,36 +421,36 @@ def _sleep_until(t: float) -> None:
         time.sleep(delay)
 
 
-def _describe(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc)
-
-
 def worker_main(conn) -> None:
-    """Command loop of one rank process; replies ("ok", value) or ("err", (type name, message))."""
+    """Command loop of one rank process: decode a command, run its handler, answer one reply (Failed on error)."""
     # Only the coordinator writes stdout (the table); UCX and NIXL's logger would print there too.
     os.dup2(2, 1)
     rank = _Rank(conn)
     try:
         while True:
             if conn.poll(IDLE_POLL_S):
-                message = conn.recv()
-                if message is None:
-                    break
-                if message == STOP:  # a serve that already failed and answered: nothing to stop
+                data = conn.recv_bytes()
+                try:
+                    cmd = m.decode_command(data)
+                except msgspec.MsgspecError as exc:
+                    conn.send_bytes(m.encode(m.Failed(type(exc).__name__, f"undecodable command: {exc}")))
                     continue
-                op, args = message
-                if op == "setup":
-                    level = args[0].log_level.upper()
+                if isinstance(cmd, m.Shutdown):
+                    break
+                if isinstance(cmd, m.Stop):  # a Serve that already failed and answered: nothing to stop
+                    continue
+                if isinstance(cmd, m.Setup):
+                    level = cmd.rank.log_level.upper()
                     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
                     from hybrid_transfer.engine.agent import quiet_nixl_logging
 
                     quiet_nixl_logging(level)
                 try:
-                    reply = ("ok", _OPS[op](rank, *args))
+                    reply = HANDLERS[type(cmd)](rank, cmd)
                 except BaseException as exc:  # noqa: BLE001 - every failure goes back to the coordinator
-                    log.debug("command %s failed", op, exc_info=True)
-                    reply = ("err", _describe(exc))
-                conn.send(reply)
+                    log.debug("command %s failed", type(cmd).__name__, exc_info=True)
+                    reply = m.Failed(type(exc).__name__, str(exc))
+                conn.send_bytes(m.encode(reply))
             rank.poll_idle()
     except (EOFError, KeyboardInterrupt):
         pass

@@ -1,6 +1,6 @@
 """Doctor checks of the transfer paths: which transport UCX picks, loopback READ rates, the cuda_ipc read setting.
 
-Figures these verdicts cite (DESIGN 8): DRAM between two processes on this kind of host moves 4.6 GB/s over
+Figures these verdicts cite (docs/tuning.md#measured-anchors): DRAM between two processes on this kind of host moves 4.6 GB/s over
 shared memory and 0.9 GB/s over TCP (16 MiB descriptors); GPU memory on an H200 moves ~1,755 GB/s over
 cuda_ipc and 0.4-0.5 GB/s when UCX silently falls back to TCP.
 """
@@ -162,7 +162,7 @@ def cuda_ipc_get_enabled(environ: Mapping[str, str]) -> bool:
 def check_cuda_ipc(gpu_present: bool, environ: Mapping[str, str], vram_transports: Sequence[str] | None = None,
                    device: Device = Device.AUTO) -> CheckResult:
     """5. GPU READs need ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y``: without it UCX turns cuda_ipc reads off on hosts
-    without NVLink and moves GPU bytes over TCP, silently (DESIGN 7/8)."""
+    without NVLink and moves GPU bytes over TCP, silently (docs/tuning.md#cuda-ipc)."""
     value = environ.get(CUDA_IPC_GET_VAR)
     enabled = cuda_ipc_get_enabled(environ)
     data = {"variable": CUDA_IPC_GET_VAR, "value": value, "enabled": enabled, "gpu_present": gpu_present,

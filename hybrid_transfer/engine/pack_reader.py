@@ -157,7 +157,7 @@ class PackReader:
             self._fallback(track, source, "fallback_unstaged")
             return True
         self._ask(req, source)
-        # Map the rows onto the source's layout while the query travels (about 1 ms for DESIGN 3's example).
+        # Map the rows onto the source's layout while the query travels (about 1 ms for docs/planner.md#worked-example).
         t = req.ticket
         try:
             layout = stage_layout(source.geometry, source.tensor_addrs, t.block_ids, t.num_tokens)

@@ -37,8 +37,11 @@ MAX_MODEL_LEN = 2048
 CONNECTOR = {"kv_connector": "HybridNixlConnector", "kv_connector_module_path": "hybrid_transfer.integrations.vllm"}
 
 
-def write_tiny_model(directory: Path) -> Path:
-    """A local Qwen3-Next config.json with the tests' tiny cache dimensions (no weights: none are loaded)."""
+def write_tiny_model(directory: Path, *, layer_types: list[str] | None = None) -> Path:
+    """A local Qwen3-Next config.json with the tests' tiny cache dimensions (no weights: none are loaded).
+
+    ``layer_types`` overrides the hybrid pattern (e.g. all "full_attention" for an attention-only model).
+    """
     cfg = {
         "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"],
         "num_hidden_layers": TINY_CONFIG["num_hidden_layers"],
@@ -51,6 +54,9 @@ def write_tiny_model(directory: Path) -> Path:
         "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "max_position_embeddings": 4096,
         "torch_dtype": "bfloat16", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
     }
+    if layer_types is not None:
+        cfg["layer_types"] = layer_types
+        del cfg["full_attention_interval"]
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory
@@ -86,7 +92,7 @@ def layer_specs(cfg: VllmConfig) -> dict:
     attention = FullAttentionSpec(block_size=block_size, num_kv_heads=max(1, hf.num_key_value_heads // tp),
                                   head_size=hf.head_dim, dtype=cfg.model_config.dtype)
     # vLLM pads the state page to the attention page (platforms/interface.py does the same sum).
-    mamba = MambaSpec(block_size=MAX_MODEL_LEN, shapes=Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg),
+    mamba = None if "linear_attention" not in hf.layer_types else MambaSpec(block_size=MAX_MODEL_LEN, shapes=Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg),
                       dtypes=Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg),
                       page_size_padded=attention.page_size_bytes, mamba_cache_mode="none",
                       mamba_type=MambaAttentionBackendEnum.GDN_ATTN)

@@ -72,14 +72,16 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config, role, kv_cache_config)
         kvt = vllm_config.kv_transfer_config
+        if vllm_config.parallel_config.pipeline_parallel_size > 1:
+            raise UnsupportedError("HybridNixlConnector does not support pipeline parallelism "
+                                   f"(pipeline_parallel_size={vllm_config.parallel_config.pipeline_parallel_size})")
         self._extra = dict(kvt.kv_connector_extra_config or {})
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role is KVConnectorRole.SCHEDULER:
             model = model_of(vllm_config)
             groups = kv_cache_config.kv_cache_groups
-            group_map = GroupMap.build(build_tensor_map(model), [g.layer_names for g in groups],
-                                       kv_cache_config.transfer_group_ids)
+            group_map = GroupMap.build(build_tensor_map(model), kv_cache_config)
             block_size = next(groups[g].kv_cache_spec.block_size for g, attn in
                               zip(kv_cache_config.transfer_group_ids, _attention_flags(kv_cache_config), strict=True)
                               if attn)
@@ -173,6 +175,11 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return REQUIRED_LAYOUT
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No: NIXL holds registrations of the memory wrapped at register_kv_caches; a remap would strand them."""
+        return False
 
 
 def _attention_flags(kv_cache_config: KVCacheConfig) -> list[bool]:

@@ -108,12 +108,33 @@ class SchedulerSide:
 
     # ---- decode -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """N-1 prompt tokens (N for attention-only models) load asynchronously; anything else computes locally.
+
+        Called again and again while the request waits, so it only reads. A ticket that does not
+        decode, or that moves another number of tokens than this prompt needs, is logged and the
+        prompt computed here (update_state_after_alloc then declines it, so the producer frees).
+        """
         params = request.kv_transfer_params
         if not params or not params.get(kvp.DO_REMOTE_PREFILL) or kvp.TICKET not in params:
             return 0, False
+        ticket = self._ticket_of(request)
+        if ticket is None:
+            return 0, False
+        expected = self._tokens_to_load(request)
+        if ticket.num_tokens != expected:
+            log.error("hybrid-transfer: %s carries a ticket for %d tokens, its %d-token prompt needs %d: computed "
+                      "locally", request.request_id, ticket.num_tokens, len(request.prompt_token_ids or ()), expected)
+            return 0, False
+        if num_computed_tokens:
+            # A local prefix hit: the read would overwrite shared cached blocks. Compute the rest here.
+            log.info("hybrid-transfer: %s has %d tokens cached locally: not loaded", request.request_id,
+                     num_computed_tokens)
+            return 0, False
+        return (expected, True) if expected > 0 else (0, False)
+
+    def _tokens_to_load(self, request: Request) -> int:
         n = len(request.prompt_token_ids or ())
-        to_load = (n - self.backoff if n > self.backoff else n) - num_computed_tokens
-        return (to_load, True) if to_load > 0 else (0, False)
+        return n - self.backoff if n > self.backoff else n
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
@@ -123,13 +144,12 @@ class SchedulerSide:
         ticket = self._ticket_of(request)
         if ticket is None:
             return
-        if num_external_tokens == 0:  # a full local hit: nothing to read, but the producer must hear it
+        if num_external_tokens == 0:  # not loaded (local hit, refused ticket): the producer must still hear it
             self._declines[request.request_id] = DeclineOrder(ticket, report=False)
             return
         local = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(
             blocks.get_unhashed_block_ids_all_groups()))
-        n = len(request.prompt_token_ids or ())
-        self._reads[request.request_id] = ReadOrder(ticket, local, n - self.backoff if n > self.backoff else n)
+        self._reads[request.request_id] = ReadOrder(ticket, local, self._tokens_to_load(request))
         self._reading.add(request.request_id)
 
     def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
