@@ -47,7 +47,7 @@ class FakeNet:
 class FakeAgent:
     net: FakeNet
 
-    def __init__(self, name, config):
+    def __init__(self, name, config, **_options):  # device_memory: the real agent picks UCX settings by it
         self.name = name
         self.inbox: dict[str, list[bytes]] = {}
         self.sent: list[tuple[str, bytes]] = []
