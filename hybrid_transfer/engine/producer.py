@@ -119,7 +119,8 @@ class Producer:
         self.tp_rank, self.tp_size = self.geometry.tp_rank, self.geometry.tp_size
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config)
+        self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config,
+                               device_memory=cache.device.type == "cuda")
         self._closed = False
         self._server: HandshakeServer | None = None
         self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)
@@ -239,6 +240,9 @@ class Producer:
         validate_block_ids("producer", ids, self._kinds, num_tokens, self.geometry.block_size,
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
+        if ticket is not None and not claims.mac_ok(ticket, self._secret):  # edited, or signed without our secret
+            raise TicketMismatchError(request_id=request_id, differences=[
+                ("mac", "a MAC of the ticket's fields under this engine's ticket key", ticket.mac.hex())])
         nonce = secrets.randbits(63) if nonce is None else nonce
         hold = self._book.add(request_id, nonce, block_ids, num_tokens)
         hold.digest = claims.ticket_digest(self.engine_id, self.incarnation, request_id, nonce, block_ids, num_tokens,
@@ -251,11 +255,11 @@ class Producer:
                 self._on_claim(sender, completion)
             elif self._book.get(request_id) is hold:  # an earlier replay may have ended it
                 self._count_report(sender, hold, completion)
-        return ticket if ticket is not None else wire.Ticket(
+        return ticket if ticket is not None else claims.sign(wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
             tp_size=self.tp_size, request_id=request_id, nonce=nonce, block_ids=block_ids,
             num_tokens=num_tokens, state_position=num_tokens, lease_s=float(self.config.lease_s),
-        )
+        ), self._secret)
 
     def _check_ticket(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None,
                       num_tokens: int | None, nonce: int | None, ticket: wire.Ticket):

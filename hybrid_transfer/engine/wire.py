@@ -27,7 +27,8 @@ Version log:
      first request with its server nonce and proof, and sends agent metadata only after the
      consumer's proof); Sealed (with a secret, every NIXL notification is an inner envelope with a
      per-link counter and a MAC under the link key). Claim / ClaimReply (single-use tickets,
-     engine/claims.py): DONE only after the producer confirmed the claim. Tickets are unchanged.
+     engine/claims.py): DONE only after the producer confirmed the claim. Ticket.mac, last and defaulted
+     (b"": unsigned), over the fields that decide the bytes (claims.sign); ticket_params carries it.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -193,6 +194,7 @@ class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticke
     state_position: Count  # tokens folded into the recurrent state (== num_tokens under the N-1 rule)
     lease_s: Annotated[float, msgspec.Meta(gt=0)]
     version: int = PROTOCOL_VERSION
+    mac: AuthBytes = b""  # engine/claims.py: HMAC of the fields under the engine's ticket key; b"": unsigned
 
     @property
     def engine_key(self) -> tuple[str, int]:

@@ -38,6 +38,18 @@ def test_digest_covers_every_field_that_decides_the_bytes():
         assert claims.ticket_digest(*other) != digest, i
 
 
+def test_a_ticket_mac_is_keyed_by_the_secret_and_covers_the_fields():
+    ticket = wire.Ticket(engine_id="e", incarnation=7, addresses=("tcp://h:1",), tp_size=1, request_id="r", nonce=5,
+                         block_ids=((1, 2), (3,)), num_tokens=20, state_position=20, lease_s=30.0)
+    secret = b"k" * 32
+    signed = claims.sign(ticket, secret)
+    assert claims.mac_ok(signed, secret) and not claims.mac_ok(signed, b"x" * 32)
+    assert not claims.mac_ok(msgspec.structs.replace(signed, block_ids=((1, 3), (3,))), secret)
+    assert not claims.mac_ok(ticket, secret) and claims.mac_ok(ticket, None)  # unsigned: only without a secret
+    assert not claims.mac_ok(claims.sign(msgspec.structs.replace(ticket, num_tokens=21), None), secret)
+    assert wire.decode_ticket(wire.encode_ticket(signed)) == signed
+
+
 def test_ended_tickets_are_remembered_for_one_lease_in_bounded_memory():
     now = [0.0]
     ended = claims.EndedTickets(lambda: now[0], lease_s=10.0, capacity=3)
@@ -65,12 +77,18 @@ def test_replayed_and_edited_tickets_fail_with_a_typed_cause_and_never_free_a_li
         b0.call("start_read", kb0, t1, LOCAL[0], 20)
         replay = b0.call("wait_done", kb0, ["r1"], WAIT_S)[0]
         assert (replay.state, replay.error_type) == ("failed", "TicketClaimError") and "claimed" in replay.error_message
-        # An edited copy (other block ids) is refused too, and neither ended the live hold.
-        edited = wire.encode_ticket(msgspec.structs.replace(wire.decode_ticket(t1), block_ids=OTHER.block_ids))
-        b0.call("start_read", kb0, edited, LOCAL[1], 20)
+        # An edited copy (other block ids) fails at once on its MAC: nothing is read.
+        posted = b0.call("consumer_status", kb0)["stats"]["reads_posted"]
+        edited = msgspec.structs.replace(wire.decode_ticket(t1), block_ids=OTHER.block_ids)
+        b0.call("start_read", kb0, wire.encode_ticket(edited), LOCAL[1], 20)
+        result = b0.call("wait_done", kb0, ["r1"], WAIT_S)[0]
+        assert (result.state, result.error_type) == ("failed", "TicketClaimError") and "MAC" in result.error_message
+        assert b0.call("consumer_status", kb0)["stats"]["reads_posted"] == posted
+        # Without a secret anyone can recompute the MAC (a checksum then): the producer's record catches it.
+        b0.call("start_read", kb0, wire.encode_ticket(claims.sign(edited, None)), LOCAL[1], 20)
         result = b0.call("wait_done", kb0, ["r1"], WAIT_S)[0]
         assert (result.state, result.error_type) == ("failed", "TicketClaimError") and "edited" in result.error_message
-        assert b0.call("call", failure_causes, kb0) == {"ticket_replayed": 1, "ticket_edited": 1}
+        assert b0.call("call", failure_causes, kb0) == {"ticket_replayed": 1, "ticket_edited": 2}
         p_worker.call("settle", 0.3)
         assert p_worker.call("producer_status", pk, ["r1"])["held"] == ["r1"]
         # Rank 1 of the first engine reads for real: DONE, right bytes, and the hold is freed once.
@@ -84,7 +102,7 @@ def test_replayed_and_edited_tickets_fail_with_a_typed_cause_and_never_free_a_li
         b0.call("start_read", kb0, t1, LOCAL[0], 20)
         late = b0.call("wait_done", kb0, ["r1"], WAIT_S)[0]
         assert (late.state, late.error_type) == ("failed", "TicketClaimError") and "ended" in late.error_message
-        assert b0.call("call", failure_causes, kb0) == {"ticket_replayed": 2, "ticket_edited": 1}
+        assert b0.call("call", failure_causes, kb0) == {"ticket_replayed": 2, "ticket_edited": 2}
         stats = p_worker.call("producer_status", pk)["stats"]
         assert (stats["claims_confirmed"], stats["claims_refused"], stats["freed"]) == (2, 3, 1)
         assert stats["completions"] == 2  # the refused claims reported nothing
@@ -120,3 +138,21 @@ def test_fuzzed_claims_decode_or_raise_our_error(data):
         wire.decode(bytes(raw))
     except WireDecodeError:
         pass
+
+
+def test_a_producer_with_a_secret_refuses_an_unsigned_or_edited_ticket(tmp_path):
+    from hybrid_transfer.cache import HybridCache
+    from hybrid_transfer.engine import EngineConfig, Producer
+    from hybrid_transfer.errors import TicketMismatchError
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    geometry = RankGeometry(model_from_config(TINY, name="tiny"), 1, 0)
+    with Producer(HybridCache.allocate(geometry, 16), EngineConfig(secret_file=str(secret))) as producer:
+        good = producer.hold("a", LAYOUT.block_ids, LAYOUT.num_tokens)
+        assert claims.mac_ok(good, b"0123456789abcdef0123456789abcdef") and not claims.mac_ok(good, None)
+        for bad in (msgspec.structs.replace(good, request_id="b", mac=b""),
+                    claims.sign(msgspec.structs.replace(good, request_id="b"), None)):
+            with pytest.raises(TicketMismatchError) as info:
+                producer.hold("b", ticket=bad)
+            assert [d[0] for d in info.value.differences] == ["mac"] and not producer.is_held("b")
