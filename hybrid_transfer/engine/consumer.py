@@ -537,7 +537,7 @@ class Consumer:
         return results
 
     def _tell_producers(self, req: ReadRequest, kind: wire.CompletionKind) -> None:
-        """Tell every producer rank the request depends on that this rank is finished with it (DESIGN 3)."""
+        """Tell every producer rank the request depends on that this rank is finished with it (docs/lifecycle.md#who-notifies-whom)."""
         link = req.link.resolve()
         if req.disowned:
             return  # a producer refused our claim: this rank has no standing to report on the ticket
