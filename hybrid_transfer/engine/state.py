@@ -59,6 +59,7 @@ class FailureCause(enum.Enum):
     REVOKED = "revoked"  # the producer aborted the request or its lease expired
     TICKET_REPLAYED = "ticket_replayed"  # the producer did not confirm the claim: already claimed, or ended
     TICKET_EDITED = "ticket_edited"  # the ticket's fields differ from the producer's record of it
+    BYTE_COUNT = "byte_count"  # the READs moved other bytes than the layout says the request needs (metrics.py)
 
 
 class HoldState(enum.Enum):
