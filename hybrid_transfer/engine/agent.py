@@ -1,6 +1,6 @@
 """A thin owner of one NIXL agent (UCX backend): the only module that calls NIXL.
 
-Ownership: NIXL agents are not thread-safe by default (DESIGN 7). The thread that
+Ownership: NIXL agents are not thread-safe by default (docs/tuning.md#agents). The thread that
 creates a NixlAgent is its owner and the only thread that may call it; the
 producer's handshake listener never touches it (it serves precomputed bytes).
 
@@ -19,6 +19,7 @@ Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 import threading
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
-from hybrid_transfer.engine.state import XferState
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
 
 if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_cuda will do (no torch import)
@@ -38,6 +38,20 @@ if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_
 log = logging.getLogger(__name__)
 
 _CONFIG_LOCK = threading.Lock()
+
+
+class XferState(enum.Enum):
+    """One NIXL READ handle."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+    RELEASED = "RELEASED"  # our own: the handle is freed, nothing can write through it any more
+
+    @classmethod
+    def parse(cls, status: str) -> XferState:
+        """NIXL's status string ("DONE", "PROC", "ERR")."""
+        return {"DONE": cls.DONE, "PROC": cls.PROC}.get(status, cls.ERR)
 
 
 def _nixl_api(module: str | None = None) -> Any:
@@ -179,7 +193,7 @@ class NixlAgent:
 
     # ---- memory -------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> None:
-        """Register each region (a whole shared tensor) once; agent metadata grows per region (DESIGN 7)."""
+        """Register each region (a whole shared tensor) once; agent metadata grows per region (docs/tuning.md#agents)."""
         if self._reg_descs is not None:
             raise EngineError("regions are already registered", operation="register", agent=self.name)
         kinds = {r.is_cuda for r in regions}
