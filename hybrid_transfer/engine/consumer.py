@@ -37,7 +37,7 @@ from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack_reader import PackReader
-from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_agent_name
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
 from hybrid_transfer.engine.revocations import Tombstones
@@ -132,7 +132,7 @@ class Consumer:
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config,
+        self.agent = NixlAgent(consumer_agent_name(self.engine_id, self.tp_rank, secrets.token_hex(4)), self.config,
                                device_memory=cache.device.type == "cuda")
         self._closed = False
         self._peers: Peers | None = None

@@ -109,13 +109,16 @@ def test_producer_killed_mid_read_fails_reads_with_every_block_id_and_returns_th
 
 
 def test_consumer_killed_its_leases_run_out_after_outliving_their_first_expiry(cluster, victims):
-    """2 -> 1 fan-in: the READ from rank 1 hangs (rank 1 stopped polling), rank 0 hears heartbeats."""
+    """2 -> 1 fan-in: the READ from rank 1 hangs (rank 1 stopped polling), rank 0 hears heartbeats.
+
+    The producers' liveness probes are off, as if no sign of the death reached them (test_reclaim.py has
+    the probes on): the lease is then what gives the blocks back."""
     victim, p_workers = victims[1], cluster.workers[:2]
     lease_s = 10.0
     engine_id, incarnation = f"prefill-{uuid.uuid4().hex[:6]}", int.from_bytes(os.urandom(6), "little")
     specs = [RankSpec(TINY, 2, r, 16) for r in range(2)]
     keys = [f"{engine_id}-{r}" for r in range(2)]
-    p_config = EngineConfig(lease_s=lease_s)
+    p_config = EngineConfig(lease_s=lease_s, peer_probe_s=0.0)  # no probes: the lease as the last resort
     addresses = [w.call("call", create_producer, k, s, engine_id, incarnation, p_config, True)
                  for w, k, s in zip(p_workers, keys, specs, strict=True)]
     for w, k in zip(p_workers, keys, strict=True):
