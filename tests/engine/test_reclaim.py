@@ -40,9 +40,9 @@ def _local(i: int) -> tuple[tuple[int, ...], ...]:
     return _layout(i).block_ids
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def victim():
-    """A fresh worker of its own: the kill test kills it."""
+    """A fresh worker of its own: the kill tests kill it."""
     w = Worker(mp.get_context("spawn"), 200)
     yield w
     w.close()
@@ -120,6 +120,29 @@ def test_row6_a_consumer_killed_with_four_reads_in_flight_gives_its_blocks_back_
         assert st["stats"]["reclaimed"] == 4 and st["stats"]["peers_lost"] == 1
         assert st["stats"]["completions"] == 0  # nobody reported: the release came from the reclaim
         assert sorted(p_worker.call("wait_freed", pk, rids, WAIT_S)) == sorted(rids)
+    finally:
+        producers.close()
+
+
+def test_with_probes_off_a_killed_consumers_blocks_wait_for_the_lease(cluster, victim):
+    """The behaviour before fast reclaim, and still the last resort: nothing is released until the lease."""
+    p_worker = cluster.workers[0]
+    producers = _producer(p_worker, 0.0)
+    pk = producers.keys[0]
+    try:
+        ck = _consumer(victim, f"decode-{uuid.uuid4().hex[:6]}")
+        rids = _claimed_reads(producers, victim, ck, 4)
+        os.kill(victim.process.pid, signal.SIGKILL)
+        victim.process.join(timeout=30)
+        for _ in range(MAX_ROUNDS):
+            p_worker.call("call", advance_clock, pk, PROBE_S)
+            p_worker.call("settle", 0.02)
+        st = p_worker.call("call", status, pk, rids)
+        assert set(st["holds"].values()) == {"held"} and st["pinned_blocks"] == 20
+        assert st["stats"]["probes_sent"] == 0 and st["stats"]["reclaimed"] == 0
+        p_worker.call("call", advance_clock, pk, LEASE_S)
+        assert sorted(p_worker.call("wait_freed", pk, rids, WAIT_S)) == sorted(rids)
+        assert p_worker.call("call", status, pk)["terminal"] == {"expired": 4}
     finally:
         producers.close()
 
