@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import auth, claims, inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.early import EarlyCompletions
@@ -101,7 +101,9 @@ class ProducerStats:
     probes_sent: int = 0  # liveness checks of consumer agents a hold waits for (peer_probe_s)
     peers_lost: int = 0  # consumer agents NIXL reported disconnected
     incarnations_replaced: int = 0  # welcomed agents superseded by a new agent of the same engine and rank
-    reclaimed: int = 0  # holds revoked because the agent that claimed them is gone (then ABORTED as usual)
+    # Holds ended or revoked early because a consumer agent they waited for went away: a gone agent's
+    # acknowledgement counted as given (it ended an abort), or its claimed hold revoked (fast reclaim).
+    reclaims: int = 0
 
 
 class Producer:
@@ -350,6 +352,10 @@ class Producer:
     def terminal_counts(self) -> dict[str, int]:
         """Holds that ended, by terminal state (freed / expired / aborted)."""
         return dict(self._book.terminal_counts)
+
+    def metrics(self) -> metrics.ProducerMetrics:
+        """A snapshot of this rank's holds, leases, reclaims and rejections (engine/metrics.py)."""
+        return metrics.producer_metrics(self)
 
     def abort(self, request_id: str) -> bool:
         """The embedder gives up on a held request; False when it is not held (or already aborting).
@@ -639,7 +645,7 @@ class Producer:
             if hold.state is not HoldState.HELD:  # ended by a reclaim further down this call
                 continue
             readers = set(self._peers)
-            self.stats.reclaimed += 1
+            self.stats.reclaims += 1
             log.info("producer %s: %r was claimed by %s, which is gone: revoked", self.agent.name,
                      hold.request_id, agent)
             self._book.abort(hold, readers)
@@ -681,7 +687,7 @@ class Producer:
         record = self._peers.pop(agent, None)
         if record is not None:
             advance(record, PeerStage.GONE, self._clock())
-        self._book.forget_agent(agent)
+        self.stats.reclaims += len(self._book.forget_agent(agent))
         try:
             self.agent.remove_remote(agent)
         except EngineError as exc:

@@ -164,7 +164,7 @@ def test_consumer_killed_its_leases_run_out_after_outliving_their_first_expiry(c
         assert w1.call("wait_freed", k1, ["r"], WAIT_S) == ["r"]
         st = w1.call("call", status, k1)
         assert st["terminal"] == {"aborted": 1}
-        assert (st["stats"]["peers_lost"], st["stats"]["reclaimed"]) == (1, 1)
+        assert (st["stats"]["peers_lost"], st["stats"]["reclaims"]) == (1, 1)
     finally:
         if paused:
             w1.call("call", resume, k1)

@@ -117,7 +117,7 @@ def test_row6_a_consumer_killed_with_four_reads_in_flight_gives_its_blocks_back_
               f"(lease {LEASE_S} s)")
         st = p_worker.call("call", status, pk, rids)
         assert st["terminal"] == {"aborted": 4}
-        assert st["stats"]["reclaimed"] == 4 and st["stats"]["peers_lost"] == 1
+        assert st["stats"]["reclaims"] == 4 and st["stats"]["peers_lost"] == 1
         assert st["stats"]["completions"] == 0  # nobody reported: the release came from the reclaim
         assert sorted(p_worker.call("wait_freed", pk, rids, WAIT_S)) == sorted(rids)
     finally:
@@ -139,7 +139,7 @@ def test_with_probes_off_a_killed_consumers_blocks_wait_for_the_lease(cluster, v
             p_worker.call("settle", 0.02)
         st = p_worker.call("call", status, pk, rids)
         assert set(st["holds"].values()) == {"held"} and st["pinned_blocks"] == 20
-        assert st["stats"]["probes_sent"] == 0 and st["stats"]["reclaimed"] == 0
+        assert st["stats"]["probes_sent"] == 0 and st["stats"]["reclaims"] == 0
         p_worker.call("call", advance_clock, pk, LEASE_S)
         assert sorted(p_worker.call("wait_freed", pk, rids, WAIT_S)) == sorted(rids)
         assert p_worker.call("call", status, pk)["terminal"] == {"expired": 4}
@@ -161,7 +161,7 @@ def test_a_slow_consumer_keeps_its_lease_and_finishes(cluster):
         st = p_worker.call("call", status, pk, rids)
         assert set(st["holds"].values()) == {"held"} and st["pinned_blocks"] == 10
         assert st["stats"]["probes_sent"] >= MAX_ROUNDS // 2 and st["stats"]["peers_lost"] == 0
-        assert st["stats"]["reclaimed"] == 0
+        assert st["stats"]["reclaims"] == 0
         c_worker.call("call", resume, ck)
         paused = False
         results = c_worker.call("call", wait_results, ck, rids, WAIT_S)
@@ -191,7 +191,7 @@ def test_a_new_incarnation_revokes_what_the_old_one_claimed_and_frees_after_its_
         new = _consumer(new_worker, engine_id)  # the same engine and rank, another agent
         new_worker.call("connect", new, producers.addresses[0], 10.0)
         _until("the new agent's welcome", lambda: new_worker.call("call", status, new)["stats"]["welcomes"] == 1)
-        st = _until("the reclaim", lambda: (s := p_worker.call("call", status, pk, rids))["stats"]["reclaimed"] == 2
+        st = _until("the reclaim", lambda: (s := p_worker.call("call", status, pk, rids))["stats"]["reclaims"] == 2
                     and s)
         assert st["stats"]["incarnations_replaced"] == 1 and st["stats"]["peers_lost"] == 0
         new_worker.call("settle", 0.1)
