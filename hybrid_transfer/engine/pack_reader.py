@@ -37,14 +37,14 @@ import numpy as np
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
-from hybrid_transfer.engine.agent import NixlAgent, XferHandle
+from hybrid_transfer.engine.agent import NixlAgent, XferHandle, XferState
 from hybrid_transfer.engine.calibrate import calibrate, cost_model
 from hybrid_transfer.engine.config import CostParams, EngineConfig
 from hybrid_transfer.engine.gather_scatter import Arena, Copier, CopyTicket
+from hybrid_transfer.engine.lifecycle.state import ReadState
 from hybrid_transfer.engine.side_channel import Curve, HandshakeClient
 from hybrid_transfer.engine.stager import STAGING_MODES
 from hybrid_transfer.engine.staging import StagingPool, StagingSlice
-from hybrid_transfer.engine.state import ReadState, XferState
 from hybrid_transfer.errors import EngineError, HybridTransferError, PlanError, WireDecodeError
 from hybrid_transfer.plan.stage_layout import StagedRead, map_rows, stage_layout
 from hybrid_transfer.plan.types import PlanMode, SourcePlan

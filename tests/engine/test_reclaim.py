@@ -231,8 +231,8 @@ def test_consumer_slot_is_the_engine_rank_of_an_agent_name():
 
 
 def test_the_book_watches_unreported_claims_and_unacknowledged_revocations():
-    from hybrid_transfer.engine.holds import HoldBook
-    from hybrid_transfer.engine.state import HoldState
+    from hybrid_transfer.engine.lifecycle.holds import HoldBook
+    from hybrid_transfer.engine.lifecycle.state import HoldState
 
     book = HoldBook(lambda: 0.0, 60.0)
     a = book.add("a", 1, ((0,), (1,)), 4)
