@@ -151,6 +151,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_curve: encrypt the side channel (handshakes, pack-mode staging queries) with ZeroMQ
         CURVE, the server key derived from the shared secret, which it therefore needs; every rank of
         both engines must agree. Cache bytes over NIXL stay unencrypted (docs/security.md).
+    peer_probe_s: how often a producer rank checks, on its own clock, that the consumer agents which
+        claimed a request it still holds are alive (one NIXL notification each; docs/lifecycle.md,
+        "Fast reclaim"). NIXL reporting one disconnected ends its requests at once instead of at the
+        lease. 0 turns the check off: the lease is then the only way back for a dead consumer's blocks.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -177,6 +181,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     notification_backlog_bytes: int = 64 << 20
     secret_file: str | None = None
     side_channel_curve: bool = False
+    peer_probe_s: float = 1.0
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -192,6 +197,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 continue
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 _bad(name, value, "must be a positive, finite number of seconds")
+        if not isinstance(self.peer_probe_s, (int, float)) or isinstance(self.peer_probe_s, bool) or (
+                not math.isfinite(self.peer_probe_s) or self.peer_probe_s < 0):
+            _bad("peer_probe_s", self.peer_probe_s, "must be a finite number of seconds >= 0 (0: off)")
         if self.heartbeat_every_s >= self.lease_s:
             _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
         if not isinstance(self.early_completion_limit, int) or self.early_completion_limit <= 0:

@@ -48,7 +48,7 @@ from hybrid_transfer.engine.lifecycle.state import (
     transition,
 )
 from hybrid_transfer.engine.pack_reader import PackReader
-from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_agent_name
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.errors import (
     BlockBusyError,
@@ -132,7 +132,7 @@ class Consumer:
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config,
+        self.agent = NixlAgent(consumer_agent_name(self.engine_id, self.tp_rank, secrets.token_hex(4)), self.config,
                                device_memory=cache.device.type == "cuda")
         self._closed = False
         self._peers: Peers | None = None

@@ -107,7 +107,7 @@ class ProducerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pinned_blocks: int  # now
     ended: dict[str, int]  # HoldState value (freed / expired / aborted) -> holds that ended in it
     leases_expired: int
-    reclaims: int  # holds ended early because their consumer agent went away
+    reclaims: int  # holds ended or revoked early because their consumer agent went away (docs/lifecycle.md#reclaim)
     completions_failed: int  # consumers that reported a READ failed
     completions_aborted: int
     claims_confirmed: int

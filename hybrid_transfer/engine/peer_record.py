@@ -42,6 +42,22 @@ class PeerRecord:
     rank: int | None = None  # the consumer rank bound to this agent by its first message (the Hello)
     since: float = 0.0  # when the stage last changed (the owner's clock)
     error: BaseException | None = None  # GONE on a consumer: why (NIXL's disconnect)
+    slot: str | None = None  # producer side: "<engine id>-c<rank>" of a welcomed consumer agent (consumer_slot)
+
+
+def consumer_agent_name(engine_id: str, rank: int, token: str) -> str:
+    """A consumer rank's NIXL agent name: ``token`` is new in every process (its incarnation)."""
+    return f"{engine_id}-c{rank}-{token}"
+
+
+def consumer_slot(agent: str, rank: int) -> str | None:
+    """The engine rank a consumer agent serves (its name less the token), or None for a name of another form.
+
+    Two welcomed agents with one slot are two incarnations of one consumer rank: the older is gone.
+    The name is the agent's own claim, authenticated only as far as its link is (with a secret).
+    """
+    head, sep, token = agent.rpartition("-")
+    return head if sep and token and head.endswith(f"-c{rank}") and len(head) > len(f"-c{rank}") else None
 
 
 def advance(record: PeerRecord, stage: PeerStage, now: float) -> None:

@@ -15,6 +15,10 @@ With a shared secret (issue 14, engine/auth.py) the listener gives agent metadat
 that proved the secret, and every notification is sealed under its link's key: one that fails the
 check (forged, edited, replayed, unsealed) or names another consumer rank than its agent's Hello
 is counted in ``rejections`` and dropped. One record per consumer agent (peer_record.py).
+
+Fast reclaim (docs/lifecycle.md): every ``peer_probe_s`` the agents a hold waits for get one
+notification; NIXL reporting one disconnected, or a new agent of the same consumer engine rank,
+revokes the holds that agent claimed, through the abort path. A slow agent keeps its lease.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from hybrid_transfer.engine.lifecycle.holds import Heard, HoldBook
 from hybrid_transfer.engine.lifecycle.pending import PendingHandshakes
 from hybrid_transfer.engine.lifecycle.state import Hold, HoldState
 from hybrid_transfer.engine.log_gate import LogGate
-from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_slot
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.tickets import RankCard
@@ -94,7 +98,12 @@ class ProducerStats:
     claims_confirmed: int = 0  # claims on a live, unclaimed, unedited ticket (claims.py)
     claims_refused: int = 0  # ... answered otherwise (replayed, ended, revoked, edited)
     claims_kept: int = 0  # claims for a request not held (yet): kept like early completions
-    reclaims: int = 0  # holds ended early because a consumer agent they waited for went away
+    probes_sent: int = 0  # liveness checks of consumer agents a hold waits for (peer_probe_s)
+    peers_lost: int = 0  # consumer agents NIXL reported disconnected
+    incarnations_replaced: int = 0  # welcomed agents superseded by a new agent of the same engine and rank
+    # Holds ended or revoked early because a consumer agent they waited for went away: a gone agent's
+    # acknowledgement counted as given (it ended an abort), or its claimed hold revoked (fast reclaim).
+    reclaims: int = 0
 
 
 class Producer:
@@ -164,6 +173,7 @@ class Producer:
         # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._log = LogGate(log, clock)
+        self._next_probe_at = 0.0  # producer clock: when poll() next checks the watched consumer agents
 
     # ---- identity ---------------------------------------------------------------
     @property
@@ -394,6 +404,7 @@ class Producer:
             log.info("producer %s: %d early completions found no hold in time", self.agent.name, lapsed)
         self.stats.early_evicted = self._early.stats.evicted
         self._log.flush()
+        self._probe()
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
@@ -521,7 +532,7 @@ class Producer:
             elif body.consumer_rank in hold.claimed:
                 status = wire.ClaimStatus.CLAIMED
             else:
-                hold.claimed.add(body.consumer_rank)
+                hold.claimed[body.consumer_rank] = sender
                 status = wire.ClaimStatus.CONFIRMED
         elif key in self._book.ended or key in self._book.revocations():
             status = wire.ClaimStatus.ENDED
@@ -576,13 +587,69 @@ class Producer:
             self._log.warning("bad hello", "producer %s: Hello from %s carries the metadata of %s", self.agent.name,
                               sender, name)
             return
-        revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
-        if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s)), record):
+        if self._notify(sender, self._welcome(), record):
             if record.stage is PeerStage.HANDSHAKEN:  # a first Hello, or one after a new handshake
                 advance(record, PeerStage.WELCOMED, self._clock())
                 self._peers[sender] = record
                 self._pending.discard(sender)
+                record.slot = consumer_slot(sender, body.consumer_rank)
+                self._replace_incarnations(record)
             self.stats.hellos += 1
+
+    def _welcome(self) -> wire.Welcome:
+        revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
+        return wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))
+
+    # ---- fast reclaim (docs/lifecycle.md) -------------------------------------------------
+    def _replace_incarnations(self, record: PeerRecord) -> None:
+        """A new agent of a consumer engine rank was welcomed: revoke what its predecessors claimed.
+
+        The predecessor stays a reader until it acknowledges or NIXL reports it disconnected (the
+        Revoke itself, or a later probe), so even one that is still alive never reports DONE on
+        blocks given back.
+        """
+        if record.slot is None:
+            return
+        for old in [r for r in self._peers.values() if r.slot == record.slot and r is not record]:
+            self.stats.incarnations_replaced += 1
+            log.info("producer %s: %s replaces %s", self.agent.name, record.agent, old.agent)
+            old.slot = None  # replaced once
+            self._reclaim(old.agent)
+
+    def _probe(self) -> None:
+        """Every peer_probe_s: one notification to each consumer agent a hold waits for.
+
+        It is the Welcome that agent's Hello got (the current revocations), so it is safe at any
+        moment. NIXL refusing it as disconnected is the sign (``_notify``); a slow agent takes it in
+        and keeps its lease.
+        """
+        every = self.config.peer_probe_s
+        now = self._clock()
+        if not every or now < self._next_probe_at:
+            return
+        self._next_probe_at = now + every
+        agents = sorted(a for a in self._book.watched_agents() if a in self._peers)
+        message = self._welcome() if agents else None
+        for agent in agents:
+            if agent in self._peers:  # an earlier probe's reclaim may have forgotten it
+                self.stats.probes_sent += 1
+                self._notify(agent, message)
+
+    def _reclaim(self, agent: str) -> None:
+        """Revoke every request ``agent`` claimed and has not reported, exactly as ``abort`` does.
+
+        The other agents that may read it must acknowledge first (holds.py); the blocks go back
+        after that and their step fences, never while a live reader could still report DONE.
+        """
+        for hold in self._book.claimed_by(agent):
+            if hold.state is not HoldState.HELD:  # ended by a reclaim further down this call
+                continue
+            readers = set(self._peers)
+            self.stats.reclaims += 1
+            log.info("producer %s: %r was claimed by %s, which is gone: revoked", self.agent.name,
+                     hold.request_id, agent)
+            self._book.abort(hold, readers)
+            self._send_revokes(hold, readers)
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
         message = wire.Revoke(request=wire.RequestRef(hold.request_id, hold.nonce), lease_s=float(self.config.lease_s))
@@ -605,8 +672,10 @@ class Producer:
             return True
         except PeerDisconnectedError as exc:
             self.stats.notify_failures += 1
+            self.stats.peers_lost += 1
             log.info("producer %s: %s is gone, forgetting it: %s", self.agent.name, agent, exc)
             self._forget(agent)
+            self._reclaim(agent)
         except EngineError as exc:  # the agent stays a possible reader: an abort then waits for the lease
             self.stats.notify_failures += 1
             log.warning("producer %s: cannot notify %s: %s", self.agent.name, agent, exc)

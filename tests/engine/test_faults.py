@@ -109,13 +109,16 @@ def test_producer_killed_mid_read_fails_reads_with_every_block_id_and_returns_th
 
 
 def test_consumer_killed_its_leases_run_out_after_outliving_their_first_expiry(cluster, victims):
-    """2 -> 1 fan-in: the READ from rank 1 hangs (rank 1 stopped polling), rank 0 hears heartbeats."""
+    """2 -> 1 fan-in: the READ from rank 1 hangs (rank 1 stopped polling), rank 0 hears heartbeats.
+
+    The producers' liveness probes are off (test_reclaim.py has them on): rank 0, which answered the
+    claim before the kill, sees no sign of the death, and its lease is what gives the blocks back."""
     victim, p_workers = victims[1], cluster.workers[:2]
     lease_s = 10.0
     engine_id, incarnation = f"prefill-{uuid.uuid4().hex[:6]}", int.from_bytes(os.urandom(6), "little")
     specs = [RankSpec(TINY, 2, r, 16) for r in range(2)]
     keys = [f"{engine_id}-{r}" for r in range(2)]
-    p_config = EngineConfig(lease_s=lease_s)
+    p_config = EngineConfig(lease_s=lease_s, peer_probe_s=0.0)  # no probes: the lease as the last resort
     addresses = [w.call("call", create_producer, k, s, engine_id, incarnation, p_config, True)
                  for w, k, s in zip(p_workers, keys, specs, strict=True)]
     for w, k in zip(p_workers, keys, strict=True):
@@ -155,10 +158,13 @@ def test_consumer_killed_its_leases_run_out_after_outliving_their_first_expiry(c
         assert st["stats"]["renewals"] == renewals  # the dead consumer renewed nothing more
         w1.call("call", resume, k1)
         paused = False
-        # Heartbeats queued while rank 1 was paused are read at its clock's t=0: none reaches past t=10.
-        w1.call("call", advance_clock, k1, lease_s)
+        # Rank 1 takes in the claim sent before the kill only now: NIXL refuses its answer to the dead
+        # agent as disconnected, which is a sign even with probes off, so the hold is reclaimed while
+        # rank 1's clock still reads t=0 (docs/lifecycle.md#reclaim).
         assert w1.call("wait_freed", k1, ["r"], WAIT_S) == ["r"]
-        assert w1.call("call", status, k1)["terminal"] == {"expired": 1}
+        st = w1.call("call", status, k1)
+        assert st["terminal"] == {"aborted": 1}
+        assert (st["stats"]["peers_lost"], st["stats"]["reclaims"]) == (1, 1)
     finally:
         if paused:
             w1.call("call", resume, k1)

@@ -17,6 +17,8 @@ Rules:
 - Aborts and expiries stay listed as revocations for one lease: a consumer agent that arrives
   later learns them in its welcome, before its first READ.
 - An ended hold keeps its blocks pinned until their step fences have passed; then they are released.
+- Fast reclaim (docs/lifecycle.md): when the agent that claimed a hold is gone, the Producer aborts
+  the hold exactly as above (``claimed_by``); ``watched_agents`` are the agents it checks for that.
 """
 
 from __future__ import annotations
@@ -125,6 +127,21 @@ class HoldBook:
                 if self.ack(hold.request_id, hold.nonce, agent) is Heard.ENDED:
                     ended.append(hold)
         return ended
+
+    def claimed_by(self, agent: str) -> list[Hold]:
+        """HELD requests whose claim ``agent`` made and whose consumer rank has not reported yet."""
+        return [hold for hold in self._holds.values() if hold.state is HoldState.HELD and any(
+            a == agent and rank not in hold.heard for rank, a in hold.claimed.items())]
+
+    def watched_agents(self) -> set[str]:
+        """Consumer agents a hold waits for: an unreported confirmed claim, or an unacknowledged revocation."""
+        out: set[str] = set()
+        for hold in self._holds.values():
+            if hold.state is HoldState.HELD:
+                out.update(a for rank, a in hold.claimed.items() if rank not in hold.heard)
+            else:
+                out.update(hold.awaiting_acks)
+        return out
 
     # ---- what the embedder and the clock say ----------------------------------------------
     def abort(self, hold: Hold, readers: Iterable[str]) -> bool:

@@ -109,7 +109,7 @@ class Hold:
     expires_at: float = math.inf  # end of the lease on the producer's clock; heartbeats push it back
     awaiting_acks: set[str] = field(default_factory=set)  # ABORTING: consumer agents yet to confirm the revocation
     digest: bytes = b""  # claims.ticket_digest of the ticket this hold honours
-    claimed: set[int] = field(default_factory=set)  # consumer ranks whose claim was confirmed
+    claimed: dict[int, str] = field(default_factory=dict)  # consumer rank -> agent, for each confirmed claim
 
 
 @dataclass(frozen=True)
