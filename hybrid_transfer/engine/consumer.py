@@ -411,7 +411,7 @@ class Consumer:
     def _plan(self, req: ReadRequest) -> ReadPlan:
         t = req.ticket
         planner = req.link.resolve().planner
-        return planner.plan(req.local_block_ids, t.block_ids, t.num_tokens, self._pack.plan_mode)
+        return planner.plan(req.local_block_ids, t.block_ids, t.num_tokens, self._pack.plan_mode, cost=self._pack.cost)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)

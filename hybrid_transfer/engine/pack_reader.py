@@ -45,9 +45,8 @@ from hybrid_transfer.engine.side_channel import HandshakeClient
 from hybrid_transfer.engine.stager import STAGING_MODES
 from hybrid_transfer.engine.staging import StagingPool, StagingSlice
 from hybrid_transfer.engine.state import ReadState, XferState
-from hybrid_transfer.errors import EngineError, HybridTransferError, PlanError, WireDecodeError
-from hybrid_transfer.plan.stage_layout import StagedRead, map_rows, stage_layout
-from hybrid_transfer.plan.types import PlanMode, SourcePlan
+from hybrid_transfer.errors import EngineError, HybridTransferError, WireDecodeError
+from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
 
 log = logging.getLogger(__name__)
 
@@ -74,21 +73,17 @@ class PackStats:
 
 @dataclass(eq=False)
 class _Source:
-    plan: SourcePlan
+    plan: PackSourcePlan  # the planner's: read ranges of the source's staging, scatter pieces, direct rows
     address: str
     peer: str
-    geometry: Any  # the source's RankGeometry
-    tensor_addrs: tuple[int, ...]
     step: SourceStep = SourceStep.QUERYING
     piece: StagingSlice | None = None
-    read: StagedRead | None = None
     handle: XferHandle | None = None
     copy: CopyTicket | None = None
     gather_s: float = 0.0
     asked_at: float | None = None  # first StagingQuery
     answered_at: float | None = None  # READY / ABSENT taken in (PENDING asks again)
     read_posted_at: float | None = None
-    staged_bytes: int = 0  # what the source's layout stages in all (its reply must say the same)
 
 
 @dataclass(eq=False)
@@ -133,23 +128,18 @@ class PackReader:
 
     @property
     def plan_mode(self) -> PlanMode:
-        """The planner mode to ask for: coalesced rows are what both pack and direct reads start from."""
-        return PlanMode.COALESCED if self.enabled else self._config.mode
+        """The planner mode to ask for (with ``cost``): pack and auto plans say which sources go through staging."""
+        return self._config.mode
 
     # ---- posting --------------------------------------------------------------------
     def on_post(self, req: Any, now: float) -> None:
         self._tracks[req.request_id] = _Track(req, now)
 
     def takes(self, req: Any, src: Any, link: Any) -> bool:
-        """Take ``src`` through staging (True) or leave it to the consumer's direct READ (False)."""
-        if not self.enabled or not isinstance(src, SourcePlan) or src.num_descriptors == 0:
+        """Take ``src`` through staging (True: the planner packed it) or leave it to the consumer's direct READ."""
+        if not self.enabled or not isinstance(src, PackSourcePlan) or src.num_descriptors == 0:
             return False
-        if self._config.mode is PlanMode.AUTO and \
-                self.cost.choose(src.num_descriptors, src.total_bytes) is not PlanMode.PACK:
-            return False
-        tpl = next(t for t in link.planner.templates if t.source_rank == src.source_rank)
-        source = _Source(src, req.ticket.addresses[src.source_rank], link.agents[src.source_rank], tpl.geometry,
-                         tuple(int(a) for a in tpl.tensor_addrs))
+        source = _Source(src, req.ticket.addresses[src.source_rank], link.agents[src.source_rank])
         track = self._tracks[req.request_id]
         track.sources[src.source_rank] = source
         if (req.ticket.engine_key, src.source_rank) in self._unstaged:  # said so once already: no query
@@ -157,15 +147,6 @@ class PackReader:
             self._fallback(track, source, "fallback_unstaged")
             return True
         self._ask(req, source)
-        # Map the rows onto the source's layout while the query travels (about 1 ms for docs/planner.md#worked-example).
-        t = req.ticket
-        try:
-            layout = stage_layout(source.geometry, source.tensor_addrs, t.block_ids, t.num_tokens)
-            source.staged_bytes = layout.total_bytes
-            source.read = map_rows(layout, src.local_addr, src.remote_addr, src.length)
-        except PlanError as exc:
-            log.warning("request %r, source %s: %s; reading it directly", t.request_id, source.address, exc)
-            self._fallback(track, source, "fallback_mismatch")  # its reply, when it comes, is a stray
         return True
 
     def _ask(self, req: Any, source: _Source) -> None:
@@ -234,10 +215,10 @@ class PackReader:
 
     def _post_staged(self, track: _Track, source: _Source, reply: wire.StagingReply) -> None:
         t = track.req.ticket
-        read = source.read
-        if source.staged_bytes != reply.nbytes:
+        read = source.plan.read
+        if source.plan.staged_bytes != reply.nbytes:
             log.warning("request %r, source %s: it staged %d B, its layout has %d B; reading it directly",
-                        t.request_id, source.address, reply.nbytes, source.staged_bytes)
+                        t.request_id, source.address, reply.nbytes, source.plan.staged_bytes)
             self._fallback(track, source, "fallback_mismatch")
             return
         piece = self.pool.try_alloc(read.total_bytes)
@@ -267,7 +248,8 @@ class PackReader:
         track.fallbacks += 1
         source.step = SourceStep.DIRECT
         try:
-            handle = self._agent.post_read(source.peer, source.plan.local_descs(), source.plan.remote_descs())
+            direct = source.plan.direct
+            handle = self._agent.post_read(source.peer, direct.local_descs(), direct.remote_descs())
         except EngineError as exc:
             track.error = track.error or exc
             return
@@ -286,7 +268,7 @@ class PackReader:
             track.read_done_at = self._clock()
         for source in track.sources.values():
             if source.step is SourceStep.READING and self._agent.check(source.handle) is XferState.DONE:
-                read = source.read
+                read = source.plan.read
                 log.debug("request %r source %d: READ of %d B seen done %.3f ms after its post", req.request_id,
                           source.plan.source_rank, read.total_bytes, 1e3 * (self._clock() - source.read_posted_at))
                 try:
