@@ -13,6 +13,10 @@ Per run the slowest decode rank counts (the request is ready when all are); prin
   read     post of the staging query until the READ is DONE (the query included)
   scatter  the scatter into the local blocks
   total    post until the scatter finished (what the consumer reports), and direct mode's total
+  alone    each decode rank in turn, the others idle: its last request's scatter again (same staging
+           slice, same destinations, the index map cached as in the engine), --alone-reps times, timed
+           by the copier's CUDA events; GB/s of the median (the engine's scatter speed without the
+           other ranks' kernels taking turns on the GPU)
 
 Run: python benchmarks/pack_split.py --device cuda            (P2 -> D8, UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y set here)
      python benchmarks/pack_split.py --device cpu --prefill-tp 1 --decode-tp 1 --no-verify
@@ -80,7 +84,19 @@ def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, e
         engines["pack"] = Consumer(cache, EngineConfig(mode=PlanMode.PACK, staging_bytes=read_bytes + (8 << 20)),
                                    engine_id=engine_id)
         engines["direct"] = Consumer(cache, EngineConfig(mode=PlanMode.COALESCED), engine_id=engine_id)
+        copier = engines["pack"]._pack._copier
+        scatter = copier.scatter
+
+        def recording_scatter(staging, dst, length):  # the last request's scatters, for "alone"
+            if len(last_scatters) >= 1 and last_scatters[-1][3] != runs_seen[0]:
+                last_scatters.clear()
+            last_scatters.append((staging, dst, length, runs_seen[0]))
+            return scatter(staging, dst, length)
+
+        copier.scatter = recording_scatter
         conn.send(None)
+    last_scatters: list = []
+    runs_seen = [0]
     results: dict[str, object] = {}
     freed: set[str] = set()
 
@@ -114,7 +130,30 @@ def _rank_main(conn, args, is_producer: bool, tp_size: int, rank: int, layout, e
                 poll()
                 time.sleep(POLL_S)
             conn.send(None)
+        elif op == "alone":
+            times = []
+            for _ in range(payload):
+                t = 0.0
+                for staging, dst, length, _ in last_scatters:
+                    ticket = scatter(staging, dst, length)  # the copier's own (not the recording wrapper)
+                    ticket.wait()
+                    t += ticket.elapsed_s
+                times.append(t)
+            nbytes = sum(int(length.sum()) for _, _, length, _ in last_scatters)
+            # Queued back to back (as requests in flight are): first start -> last end, per scatter.
+            tickets = [scatter(staging, dst, length) for _ in range(payload)
+                       for staging, dst, length, _ in last_scatters]
+            tickets[-1].wait()
+            for t in tickets:
+                t.wait()
+            queued_s = tickets[0]._start.elapsed_time(tickets[-1]._end) / 1e3 / payload if args.device == "cuda" \
+                else sum(t.elapsed_s for t in tickets) / payload
+            conn.send({"bytes": nbytes, "ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times),
+                       "queued_ms": 1e3 * queued_s,
+                       "index_cache": [copier.index_cache.hits, copier.index_cache.misses]
+                       if copier.index_cache is not None else None})
         elif op == "read":
+            runs_seen[0] += 1
             mode, ticket_bytes = payload
             ticket = decode_ticket(ticket_bytes)
             engines[mode].start_read(ticket, layout.block_ids)
@@ -149,6 +188,7 @@ def main() -> int:
     parser.add_argument("--gather-on-path", action="store_true",
                         help="start the reads right after hold(), without waiting for the producers' gather")
     parser.add_argument("--log-level", default="WARNING", help="of the rank processes (DEBUG: pack read steps)")
+    parser.add_argument("--alone-reps", type=int, default=20, help="scatters per decode rank for 'alone'")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.device == "cuda":
@@ -214,7 +254,16 @@ def main() -> int:
                         c.recv()
                 if i > 0:
                     runs[mode].append({k: max(r[k] for r in per_rank) for k in per_rank[0]})
+        alone = []
+        for c in d_conns:  # one decode rank at a time: the others wait for their next command
+            c.send(("alone", args.alone_reps))
+            alone.append(c.recv())
         report = _report(args, runs)
+        report["alone"] = {"bytes_per_rank": [a["bytes"] for a in alone], "ms": [a["ms"] for a in alone],
+                           "gbps": [a["bytes"] / a["ms"] / 1e6 for a in alone],
+                           "queued_ms": [a["queued_ms"] for a in alone],
+                           "queued_gbps": [a["bytes"] / a["queued_ms"] / 1e6 for a in alone],
+                           "index_cache_hits_misses": [a["index_cache"] for a in alone]}
     finally:
         for c in p_conns + d_conns:
             try:
@@ -267,6 +316,15 @@ def _print(r: dict) -> None:
           f"  read {p['read_ms']:8.3f} ms (query {p['query_ms']:.3f})  scatter {p['scatter_ms']:8.3f} ms"
           f"  post->done {p['total_ms']:8.3f} ms  fallbacks {p['fallbacks']}")
     print(f"  direct  {d['descriptors']:>4} descriptors  read {d['read_ms']:8.3f} ms  post->done {d['total_ms']:8.3f} ms")
+    a = r.get("alone")
+    if a:
+        gb = a["gbps"]
+        print(f"  scatter alone (each decode rank by itself, median of --alone-reps): {min(gb):,.0f}-{max(gb):,.0f} GB/s "
+              f"({min(a['ms']):.3f}-{max(a['ms']):.3f} ms for {max(a['bytes_per_rank']):,} B); "
+              f"index cache hits/misses {a['index_cache_hits_misses'][0]}")
+        q = a["queued_gbps"]
+        print(f"  scatter alone, --alone-reps queued back to back (first start -> last end): {min(q):,.0f}-{max(q):,.0f} "
+              f"GB/s ({min(a['queued_ms']):.3f}-{max(a['queued_ms']):.3f} ms per scatter)")
 
 
 if __name__ == "__main__":

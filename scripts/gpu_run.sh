@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the GPU figures on a lent H200 host from the repo root (the device tool's machine):
-#   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split
+#   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split,
+#                                      overhead, threads, direct (issue 13's rows)
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (../shared/tools/gpu-wheels.sh,
 # plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
 set -u
@@ -20,7 +21,7 @@ bench() {  # name, args...
     local name=$1; shift
     echo "=== bench $name: $*"
     # Only the JSON goes to $OUT (the device tool brings back at most 8 files); the table goes to stdout.
-    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n 12
+    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n 16
 }
 
 for stage in "$@"; do
@@ -45,6 +46,23 @@ for stage in "$@"; do
                     --prefill-gpus 0 --decode-gpus 1
             done ;;
         split) python3 benchmarks/pack_split.py --device cuda --runs 7 2>&1 | tail -n 20 ;;
+        overhead)  # the consumer's own Python work per direct request, NIXL's calls timed apart
+            for case in p1d1 p2d8; do python3 benchmarks/request_overhead.py --device cuda --case $case 2>&1 | tail -n 3; done ;;
+        threads)  # UCX thread-pool settings against direct-path GB/s (EngineConfig's GPU defaults)
+            python3 benchmarks/ucx_threads.py --device cuda --case p1d1 --frag 0,1 --json "$OUT/ucx_threads_p1d1.json" 2>&1 \
+                | grep -E '^p1d1' ;;
+        threads-bench)  # the direct rows again with other UCX thread-pool settings (THREADS="T:S ...")
+            for ts in ${THREADS:-0:1 8:16}; do
+                t=${ts%%:*}; sp=${ts##*:}
+                SWEEP="--fragmentation 1" bench "threads_${t}_${sp}_397b_p2d8" $BIG --prefill-tp 2 --decode-tp 8 \
+                    --mode coalesced --backend-threads "$t" --split-batch-size "$sp"
+                bench "threads_${t}_${sp}_397b_p1d1" $BIG --prefill-tp 1 --decode-tp 1 --mode coalesced \
+                    --backend-threads "$t" --split-batch-size "$sp"
+            done ;;
+        direct)  # issue 13's rows: the direct path (and pack for P2 -> D8) beside naive, the ceiling and the copy
+            bench direct_397b_p1d1_coalesced $BIG --prefill-tp 1 --decode-tp 1 --mode coalesced
+            SWEEP="--fragmentation 1" bench direct_397b_p2d8_coalesced $BIG --prefill-tp 2 --decode-tp 8 --mode coalesced
+            SWEEP="--fragmentation 1" bench direct_397b_p2d8_pack $BIG --prefill-tp 2 --decode-tp 8 --mode pack ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

@@ -1,4 +1,5 @@
 """The ceiling: one READ of a request's bytes per (decode rank, source) as a single descriptor.
+And below it the physical limit (``CopySource``): the same bytes moved by one torch copy per source.
 
 The cache's shared tensors are far smaller than a request's bytes (a 397B request spans 15
 tensors), and an agent registers its regions once. So each rank process holds a second, bare
@@ -89,7 +90,7 @@ class CeilingEnd:
         # Written now, like the caches (torch.zeros): untouched pages would fault inside the timed READs.
         self.buffer = torch.full((slots * slot_bytes,), POISON_BYTE, dtype=torch.uint8, device=device)
         self.device_id = (device.index or 0) if device.type == "cuda" else 0
-        self.agent = NixlAgent(name, config)
+        self.agent = NixlAgent(name, config, device_memory=device.type == "cuda")
         self.agent.register([Region(self.buffer.data_ptr(), self.buffer.numel(), self.device_id,
                                     device.type == "cuda")])
         self.peers: dict[int, CeilingPeer] = {}  # source rank -> its buffer (decode ranks only)
@@ -132,3 +133,54 @@ class CeilingEnd:
 
     def close(self) -> None:
         self.agent.close()
+
+
+class CopySource:
+    """The physical-limit row: per source, one torch copy of the bytes the ceiling READs from it.
+
+    A decode rank allocates, for each source rank it reads, a buffer of that source's bytes per
+    request on the source's device (its own GPU when both sides share one, the prefill GPU
+    otherwise), filled with that source's pattern; each request copies it into the rank's ceiling
+    slot, as the ceiling's READ does, on a stream of its own (CPU: inside the call). No NIXL, no
+    plan: what the memory (and, across GPUs, the link) moves when nothing else is in the way.
+    """
+
+    def __init__(self, ceiling: CeilingEnd, sources: Mapping[int, tuple[int, torch.device, int]]):
+        self.ceiling = ceiling
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.seeds: dict[int, int] = {}
+        for rank, (nbytes, device, seed) in sorted(sources.items()):
+            buf = torch.empty(max(1, nbytes), dtype=torch.uint8, device=device)
+            fill_pattern(buf, seed)
+            self.buffers[rank], self.seeds[rank] = buf, seed
+        dst = ceiling.buffer.device
+        self._stream = torch.cuda.Stream(dst) if dst.type == "cuda" else None
+
+    def post(self, slot: int, lengths: Mapping[int, int]):
+        """Copy every source's bytes into ``slot``; returns the CUDA end event (None on CPU: done)."""
+        offset = slot * self.ceiling.slot_bytes
+        buf = self.ceiling.buffer
+        if self._stream is None:
+            for rank in sorted(lengths):
+                n = lengths[rank]
+                buf[offset : offset + n].copy_(self.buffers[rank][:n])
+                offset += n
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(buf.device))
+        with torch.cuda.stream(self._stream):
+            for rank in sorted(lengths):
+                n = lengths[rank]
+                buf[offset : offset + n].copy_(self.buffers[rank][:n], non_blocking=True)
+                offset += n
+            end = torch.cuda.Event()
+            end.record()
+        return end
+
+    def check_slot(self, slot: int, lengths: Mapping[int, int]) -> None:
+        """Each source's segment of ``slot`` holds that source's buffer (pattern from offset 0)."""
+        offset = slot * self.ceiling.slot_bytes
+        for rank in sorted(lengths):
+            n = lengths[rank]
+            check_pattern(self.ceiling.buffer[offset : offset + n], self.seeds[rank], 0,
+                          f"copy slot {slot}, segment of source rank {rank}")
+            offset += n

@@ -170,7 +170,7 @@ class Coordinator:
         s = self.spec
         per_engine = 4 + (1 if s.verify else 0)  # open, warmup, timed, plan (+ verify)
         per_ceiling = 2 + (1 if s.verify else 0)
-        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v is Variant.CEILING else per_engine
+        per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v.plan_mode is None else per_engine
                                                             for v in s.variants)
         return 2 + per_point * len(s.points)
 
@@ -226,7 +226,7 @@ class Coordinator:
                     torch_threads=threads, engine_id=prefill_id if side else decode_id,
                     incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
                     staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
-                    kv_layout=s.kv_layout)))
+                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size)))
         started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
             c.recv(m.Done)
@@ -259,6 +259,12 @@ class Coordinator:
             ]))
         for proc in self.consumers:
             proc.recv(m.Done)
+        lengths = sizing.source_bytes(self.spec, max(p.tokens for p in self.spec.points))
+        for d, proc in enumerate(self.consumers):
+            proc.send(m.CopyOpen([m.CopySourceSpec(s, n, self.spec.gpu_of(True, s), seeds[s])
+                                  for s, n in lengths[d].items()]))
+        for proc in self.consumers:
+            proc.recv(m.Done)
 
     def _close(self) -> None:
         for proc in self.consumers + self.producers:
@@ -282,6 +288,8 @@ class Coordinator:
                 tag = f"p{index}-r{r}-{variant.value}"
                 if variant is Variant.CEILING:
                     rounds[variant].append(self._run_ceiling(tag, lengths))
+                elif variant is Variant.COPY:
+                    rounds[variant].append(self._run_ceiling(tag, lengths, copy=True))
                 else:
                     rounds[variant].append(self._run_engine(tag, point, variant, p_layouts, c_layouts, seeds))
         stats = {v.value: median_round(rs) for v, rs in rounds.items()}
@@ -357,27 +365,31 @@ class Coordinator:
         serves = [p.recv(m.Served).serve for p in self.producers]
         return runs, serves
 
-    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]]) -> VariantStats:
+    def _run_ceiling(self, tag: str, lengths: list[dict[int, int]], copy: bool = False) -> VariantStats:
+        """The ceiling's READs, or with ``copy`` the physical limit's torch copies (same slots, same bytes)."""
         s = self.spec
         warm = min(s.warmup, s.requests)
         if warm:
-            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths)
+            self._ceiling_phase([f"{tag}-warm-{k}" for k in range(warm)], lengths, copy)
         if s.verify:
             _all(self.consumers, m.Poison())
         self._step(f"{tag}: warmed up")
-        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths)
+        runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths, copy)
         self._step(f"{tag}: timed")
         if s.verify:
             slots_used = min(self.ceiling.slots, s.requests)
+            check = m.CopyVerify if copy else m.CeilingVerify
             for d, proc in enumerate(self.consumers):
-                proc.send(m.CeilingVerify(slots_used, lengths[d]))
+                proc.send(check(slots_used, lengths[d]))
             for proc in self.consumers:
                 proc.recv(m.Done)
             self._step(f"{tag}: verified")
-        return dataclasses.replace(summarize(Variant.CEILING.value, runs, serves), verified=s.verify)
+        variant = Variant.COPY if copy else Variant.CEILING
+        return dataclasses.replace(summarize(variant.value, runs, serves), verified=s.verify)
 
-    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]]):
-        return self._timed([], lambda d, start_at: m.RunCeiling(rids, lengths[d], self.spec.concurrency, start_at))
+    def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]], copy: bool = False):
+        run = m.RunCopy if copy else m.RunCeiling
+        return self._timed([], lambda d, start_at: run(rids, lengths[d], self.spec.concurrency, start_at))
 
 
 def run_bench(spec: BenchSpec, on_step: StepCallback | None = None) -> BenchResult:

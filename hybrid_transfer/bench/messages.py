@@ -39,8 +39,16 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     log_level: str = "WARNING"
     poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
     staging_bytes: int = 256 << 20  # pack / auto staging pool (sizing.staging_bytes)
-    backend_threads: int = 0  # EngineConfig.num_backend_threads
+    backend_threads: int | None = None  # EngineConfig.num_backend_threads (None: its default)
     kv_layout: str = "interleaved"  # KVLayout value of both sides
+    split_batch_size: int | None = None  # EngineConfig.split_batch_size (None: its default)
+
+    def engine_config(self, **fields):
+        """The EngineConfig of this rank's agents: the run's UCX backend settings, plus ``fields``."""
+        from hybrid_transfer.engine.config import EngineConfig
+
+        return EngineConfig(num_backend_threads=self.backend_threads, split_batch_size=self.split_batch_size,
+                            **fields)
 
 
 class EngineItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -176,13 +184,45 @@ class CeilingVerify(Command):
     lengths: dict[int, int]
 
 
+class CopySourceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One source of the physical-limit copy: its bytes per request, its GPU (cuda) and its pattern's seed."""
+
+    rank: int
+    nbytes: int
+    gpu: int
+    seed: int
+
+
+class CopyOpen(Command):
+    """A decode rank's physical-limit buffers, one per source (bench/ceiling.py CopySource)."""
+
+    sources: list[CopySourceSpec]
+
+
+class RunCopy(Command):
+    """A decode rank's physical-limit window: per request one torch copy per source. Answers Ran."""
+
+    request_ids: list[str]
+    lengths: dict[int, int]
+    concurrency: int
+    start_at: float
+
+
+class CopyVerify(Command):
+    """The first ``slots_used`` slots hold the copies of their sources' buffers."""
+
+    slots_used: int
+    lengths: dict[int, int]
+
+
 class Shutdown(Command):
     """Close everything and exit the command loop; not answered."""
 
 
 AnyCommand = Union[  # noqa: UP007 - msgspec needs the union as an object at runtime
     Setup, SetEngineAddresses, Fill, Hold, Serve, Stop, OpenConsumer, CloseConsumer, RunEngine, PlanTimes,
-    Poison, Verify, CeilingOpen, CeilingAddSources, RunCeiling, CeilingVerify, Shutdown,
+    Poison, Verify, CeilingOpen, CeilingAddSources, RunCeiling, CeilingVerify, CopyOpen, RunCopy, CopyVerify,
+    Shutdown,
 ]
 
 

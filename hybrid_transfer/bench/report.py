@@ -9,7 +9,7 @@ from hybrid_transfer.bench.coordinator import BenchResult, PointResult
 from hybrid_transfer.bench.spec import Device, Sweep, Variant
 from hybrid_transfer.bench.stats import VariantStats, ratio
 
-# Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" for those two.
+# Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" / "copy_" for those three.
 _FIGURES = ("gbps", "gbps_rounds", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms",
             "completion_ms", "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms",
             "consumer_cpu_s", "producer_cpu_s", "window_s", "gather_ms", "query_ms", "scatter_ms", "packed_sources",
@@ -31,7 +31,8 @@ def common_record(result: BenchResult) -> dict[str, Any]:
     record: dict[str, Any] = {
         "preset": s.preset, "prefill_tp": s.prefill_tp, "decode_tp": s.decode_tp, "requests": s.requests,
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
-        "kv_dtype": s.kv_dtype or "model", "kv_layout": s.kv_layout, "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds, "backend_threads": s.backend_threads,
+        "kv_dtype": s.kv_dtype or "model", "kv_layout": s.kv_layout, "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
+        "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size,
     }
     if s.device is Device.CUDA:
         record["prefill_gpus"] = list(s.prefill_gpus)
@@ -45,18 +46,22 @@ def point_record(result: BenchResult, point: PointResult) -> dict[str, Any]:
     chosen = point.stats[s.mode.value]
     naive = point.stats[Variant.NAIVE.value]
     ceiling = point.stats[Variant.CEILING.value]
+    copy = point.stats.get(Variant.COPY.value)
     record = common_record(result)
     record.update(tokens=point.point.tokens, fragmentation=point.point.fragmentation,
                   payload_bytes_per_request=point.payload_bytes_per_request)
     for name in _FIGURES:
         record[name] = getattr(chosen, name)
-    for prefix, stats in (("naive_", naive), ("ceiling_", ceiling)):
+    for prefix, stats in (("naive_", naive), ("ceiling_", ceiling), ("copy_", copy)):
+        if stats is None:
+            continue
         for name in _FIGURES:
             record[prefix + name] = getattr(stats, name)
     record.update(
         mode_over_ceiling=ratio(chosen.gbps, ceiling.gbps),
         mode_over_naive=ratio(chosen.gbps, naive.gbps),
         naive_over_ceiling=ratio(naive.gbps, ceiling.gbps),
+        ceiling_over_copy=ratio(ceiling.gbps, copy.gbps) if copy is not None else None,
         verified=all(st.verified for st in point.stats.values()),
         variants={name: dataclasses.asdict(st) for name, st in point.stats.items()},
     )
@@ -106,7 +111,7 @@ def table_rows(result: BenchResult) -> list[list[str]]:
                 _fmt(st.gbps) + (f" ({min(st.gbps_rounds):.2f}-{max(st.gbps_rounds):.2f})"
                                  if len(st.gbps_rounds) > 1 else ""),
                 _fmt(ratio(st.gbps, ceiling)),
-                "-" if name == Variant.CEILING.value else _fmt(ratio(st.gbps, naive)),
+                "-" if name in (Variant.CEILING.value, Variant.COPY.value) else _fmt(ratio(st.gbps, naive)),
                 _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
                 _fmt(st.overhead_ms, 3), _fmt(st.p50_ms),
                 _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
@@ -132,7 +137,8 @@ NOTES = (
     "producer hold per request. gather/scatter ms: pack only, the producer's gather (done at hold, off the "
     "critical path; asynchronous on GPU, so not inside hold ms there) and the consumer's scatter (inside the "
     "window). CPU s d/p: process CPU seconds in the window, decode ranks / prefill ranks. ceiling: one READ per "
-    "(decode rank, source) of the same bytes as a single descriptor, same processes."
+    "(decode rank, source) of the same bytes as a single descriptor, same processes. copy: the physical "
+    "limit, one torch copy per (decode rank, source) of the same bytes, no NIXL (from the source's device)."
 )
 
 

@@ -137,7 +137,8 @@ def memory_estimate(spec: BenchSpec, ceiling: CeilingSizes) -> MemoryEstimate:
     cache_d = gd.num_tensors * gd.page_bytes * pool_blocks(spec, False)
     clone = 2 if spec.verify else 1  # check_destination_many builds the expected cache beside the real one
     p = PROCESS_BASE_BYTES + cache_p + ceiling.slots * max(ceiling.src_slot_bytes)
-    d = PROCESS_BASE_BYTES + cache_d * clone + ceiling.slots * max(ceiling.dst_slot_bytes)
+    # Ceiling slots, plus one request's bytes per source for the physical-limit copy (bench/ceiling.py).
+    d = PROCESS_BASE_BYTES + cache_d * clone + (ceiling.slots + 1) * max(ceiling.dst_slot_bytes)
     if spec.mode in (PlanMode.PACK, PlanMode.AUTO):  # staging pools exist in these modes only
         p += staging_bytes(spec, True)
         d += staging_bytes(spec, False)

@@ -31,17 +31,19 @@ class Sweep(enum.Enum):
 
 
 class Variant(enum.Enum):
-    """What a timed phase moves: the engine in one plan mode, or the single-descriptor ceiling."""
+    """What a timed phase moves: the engine in one plan mode, the single-descriptor ceiling, or COPY: a
+    torch device copy of the same bytes inside each decode process (the memory's own limit, no NIXL)."""
 
     COALESCED = "coalesced"
     NAIVE = "naive"
     PACK = "pack"
     AUTO = "auto"
     CEILING = "ceiling"
+    COPY = "copy"
 
     @property
     def plan_mode(self) -> PlanMode | None:
-        return None if self is Variant.CEILING else PlanMode(self.value)
+        return None if self in (Variant.CEILING, Variant.COPY) else PlanMode(self.value)
 
 
 class Point(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -72,8 +74,9 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rounds: int = 1
     sweep: Sweep = Sweep.NONE
     sweep_values: tuple[float, ...] = ()
-    backend_threads: int = 0  # EngineConfig.num_backend_threads of every rank (0: NIXL's default)
+    backend_threads: int | None = None  # EngineConfig.num_backend_threads of every rank (None: its default)
     kv_layout: str = KVLayout.INTERLEAVED.value  # attention page layout of both sides (vLLM 0.33's default)
+    split_batch_size: int | None = None  # EngineConfig.split_batch_size of every rank (None: its default)
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -82,8 +85,10 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for name in ("prefill_tp", "decode_tp", "requests", "concurrency", "rounds"):
             if getattr(self, name) < 1:
                 _bad(name, getattr(self, name), "must be >= 1")
-        if self.backend_threads < 0:
+        if self.backend_threads is not None and self.backend_threads < 0:
             _bad("backend_threads", self.backend_threads, "must be >= 0")
+        if self.split_batch_size is not None and self.split_batch_size < 1:
+            _bad("split_batch_size", self.split_batch_size, "must be >= 1")
         p, d = self.prefill_tp, self.decode_tp
         if p % d and d % p:
             _bad("decode_tp", d, f"and prefill TP {p}: one must divide the other")
@@ -131,9 +136,11 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def variants(self) -> tuple[Variant, ...]:
-        """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling."""
+        """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling, the copy."""
         chosen = Variant(self.mode.value)
-        return (chosen, Variant.CEILING) if chosen is Variant.NAIVE else (chosen, Variant.NAIVE, Variant.CEILING)
+        if chosen is Variant.NAIVE:
+            return (chosen, Variant.CEILING, Variant.COPY)
+        return (chosen, Variant.NAIVE, Variant.CEILING, Variant.COPY)
 
     def round_order(self, round_index: int) -> tuple[Variant, ...]:
         """Variants of one round, rotated each round so no variant always runs first (or last)."""

@@ -42,6 +42,7 @@ class _Rank:
         self.planner: Any = None
         self.mode: Any = None  # the open consumer's PlanMode
         self.ceiling: Any = None
+        self.copy: Any = None  # the physical-limit buffers (decode ranks)
         self.freed: dict[str, float] = {}
 
     # ---- helpers ------------------------------------------------------------------
@@ -63,6 +64,7 @@ class _Rank:
             self.ceiling.agent.get_notifs()  # the target of ceiling READs: progress it too
 
     def close(self) -> None:
+        self.copy = None
         for name in ("consumer", "ceiling", "producer"):
             obj = getattr(self, name)
             if obj is not None:
@@ -80,7 +82,7 @@ def setup_rank(rank: _Rank, cmd: m.Setup) -> m.Reply:
 
     from hybrid_transfer.bench.spec import KV_DTYPES
     from hybrid_transfer.cache import HybridCache
-    from hybrid_transfer.engine import EngineConfig, Producer
+    from hybrid_transfer.engine import Producer
     from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset
 
     setup = cmd.rank
@@ -100,8 +102,7 @@ def setup_rank(rank: _Rank, cmd: m.Setup) -> m.Reply:
     rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
     if not setup.is_prefill:
         return m.Done()
-    config = EngineConfig(mode=setup.mode, staging_bytes=setup.staging_bytes,
-                          num_backend_threads=setup.backend_threads)
+    config = setup.engine_config(mode=setup.mode, staging_bytes=setup.staging_bytes)
     rank.producer = Producer(rank.cache, config, engine_id=setup.engine_id,
                              incarnation=setup.incarnation)
     return m.Started(rank.producer.address, rank.producer.descriptor)
@@ -162,13 +163,12 @@ def serve(rank: _Rank, cmd: m.Serve) -> m.Reply:
 
 def open_consumer(rank: _Rank, cmd: m.OpenConsumer) -> m.Reply:
     """A Consumer in ``mode`` over this rank's cache, handshaked now (outside every timed window)."""
-    from hybrid_transfer.engine import Consumer, EngineConfig
+    from hybrid_transfer.engine import Consumer
     from hybrid_transfer.plan.planner import Planner
 
     if rank.consumer is not None:
         rank.consumer.close()
-    config = EngineConfig(mode=cmd.mode, staging_bytes=rank.setup.staging_bytes,
-                          num_backend_threads=rank.setup.backend_threads)
+    config = rank.setup.engine_config(mode=cmd.mode, staging_bytes=rank.setup.staging_bytes)
     rank.consumer = Consumer(rank.cache, config, engine_id=rank.setup.engine_id)
     rank.consumer.connect(cmd.address, timeout_s=cmd.timeout_s)
     rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, cmd.producer_descriptors)
@@ -270,12 +270,10 @@ def ceiling_open(rank: _Rank, cmd: m.CeilingOpen) -> m.Reply:
     import secrets
 
     from hybrid_transfer.bench.ceiling import CeilingEnd, fill_pattern
-    from hybrid_transfer.engine import EngineConfig
 
     s = rank.setup
     name = f"{s.engine_id}-ceiling-{'p' if s.is_prefill else 'c'}{s.tp_rank}-{secrets.token_hex(4)}"
-    rank.ceiling = CeilingEnd(name, EngineConfig(num_backend_threads=s.backend_threads), cmd.slots,
-                               cmd.slot_bytes, rank.cache.device)
+    rank.ceiling = CeilingEnd(name, s.engine_config(), cmd.slots, cmd.slot_bytes, rank.cache.device)
     if s.is_prefill:
         fill_pattern(rank.ceiling.buffer, cmd.seed)
         rank.sync()
@@ -336,6 +334,56 @@ def ceiling_verify(rank: _Rank, cmd: m.CeilingVerify) -> m.Reply:
     return m.Done()
 
 
+def copy_open(rank: _Rank, cmd: m.CopyOpen) -> m.Reply:
+    """The physical-limit buffers, one per source, on the source's GPU (cuda) and filled with its pattern."""
+    import torch
+
+    from hybrid_transfer.bench.ceiling import CopySource
+
+    cuda = rank.setup.device is Device.CUDA
+    rank.copy = CopySource(rank.ceiling, {
+        s.rank: (s.nbytes, torch.device("cuda", s.gpu) if cuda else torch.device("cpu"), s.seed)
+        for s in cmd.sources})
+    rank.sync()
+    return m.Done()
+
+
+def run_copy(rank: _Rank, cmd: m.RunCopy) -> m.Reply:
+    """A decode rank's physical-limit window: per request one torch copy per source, ``concurrency`` deep."""
+    copy, lengths = rank.copy, cmd.lengths
+    queue = collections.deque(cmd.request_ids)
+    free_slots = collections.deque(range(copy.ceiling.slots))
+    in_flight: dict[str, tuple[float, float, int, Any]] = {}
+    timings: list[RequestTiming] = []
+    num_bytes = sum(lengths.values())
+    _sleep_until(cmd.start_at)
+    cpu0 = time.process_time()
+    while queue or in_flight:
+        if queue and free_slots and len(in_flight) < cmd.concurrency:  # one post per round, as in run_engine
+            rid, slot = queue.popleft(), free_slots.popleft()
+            t0 = time.monotonic()
+            end = copy.post(slot, lengths)
+            in_flight[rid] = (t0, time.monotonic(), slot, end)
+        c0 = time.monotonic()
+        finished = [rid for rid, (_, _, _, end) in in_flight.items() if end is None or end.query()]
+        c1 = time.monotonic()
+        if not finished:
+            _wait(rank.setup.poll_sleep_s)
+            continue
+        for rid in finished:
+            t0, t1, slot, _ = in_flight.pop(rid)
+            free_slots.append(slot)
+            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(lengths), (c1 - c0) / len(finished)))
+    return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
+
+
+def copy_verify(rank: _Rank, cmd: m.CopyVerify) -> m.Reply:
+    rank.sync()
+    for slot in range(cmd.slots_used):
+        rank.copy.check_slot(slot, cmd.lengths)
+    return m.Done()
+
+
 # Every command a rank answers, by type (Stop and Shutdown are handled by the loops themselves).
 HANDLERS: dict[type[m.Command], Callable[[_Rank, Any], m.Reply]] = {
     m.Setup: setup_rank,
@@ -353,6 +401,9 @@ HANDLERS: dict[type[m.Command], Callable[[_Rank, Any], m.Reply]] = {
     m.CeilingAddSources: ceiling_add_sources,
     m.RunCeiling: run_ceiling,
     m.CeilingVerify: ceiling_verify,
+    m.CopyOpen: copy_open,
+    m.RunCopy: run_copy,
+    m.CopyVerify: copy_verify,
 }
 
 

@@ -84,8 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "or split [K | V] halves (older vLLM)")
     parser.add_argument("--seed", type=int, default=d.seed, help="seed of block ids and byte patterns")
     parser.add_argument("--backend-threads", type=int, default=d.backend_threads, metavar="N",
-                        help="UCX backend worker threads per NIXL agent (0: NIXL's default); more threads "
-                        "cut the per-descriptor posting cost on GPUs (DESIGN 8)")
+                        help="threads of UCX's thread-pool engine per NIXL agent (0: one worker, no pool); "
+                        "None means the engine's default for the cache's memory (EngineConfig)")
+    parser.add_argument("--split-batch-size", type=int, default=d.split_batch_size, metavar="N",
+                        help="descriptors per UCX thread-pool task; None means the engine's default")
     parser.add_argument("--verify", action="store_true",
                         help="fill sources with the global-coordinate pattern and check every byte of every "
                              "decode cache after each variant (outside the timed window)")
@@ -118,6 +120,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         decode_gpus=tuple(args.decode_gpus), kv_dtype=args.kv_dtype, seed=args.seed, verify=args.verify,
         warmup=args.warmup, rounds=args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
         sweep_values=tuple(args.sweep_values or ()), backend_threads=args.backend_threads,
+        split_batch_size=args.split_batch_size,
         kv_layout=args.kv_layout,
     ).validate()
 

@@ -95,7 +95,7 @@ def _progress_delay(api: Any, delay_us: int):
 class XferHandle:
     """One posted READ: the NIXL handle, its peer and its last known state."""
 
-    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error")
+    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error", "checked_in")
 
     def __init__(self, handle: Any, peer: str, num_descriptors: int, num_bytes: int, dlists: tuple = ()):
         self.handle = handle
@@ -105,6 +105,7 @@ class XferHandle:
         self.num_bytes = num_bytes
         self._dlists = dlists
         self.error: EngineError | None = None  # why the state became ERR, when NIXL raised instead of saying
+        self.checked_in = -1  # the agent's check scope that last asked NIXL (one_check_per_handle)
 
     @property
     def is_released(self) -> bool:
@@ -117,7 +118,8 @@ class NixlAgent:
     Owned by the thread that creates it (see module docstring). ``close()`` is idempotent.
     """
 
-    def __init__(self, name: str, config: EngineConfig, *, api_module: str | None = None):
+    def __init__(self, name: str, config: EngineConfig, *, api_module: str | None = None,
+                 device_memory: bool = False):
         api = _nixl_api(api_module)
         self._errors = _nixl_errors(api)
         self.name = name
@@ -128,18 +130,36 @@ class NixlAgent:
         self._mem_type = "DRAM"
         self._peers: set[str] = set()
         self._live: set[XferHandle] = set()  # created and not yet released: what could still write
+        self._scope = -1  # inside one_check_per_handle: its number; else -1 (every check asks NIXL)
+        self._scopes = 0
         use_thread = config.progress is ProgressPolicy.ON_WITH_DELAY
-        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=["UCX"],
-                                     num_threads=config.num_backend_threads)
+        # The UCX backend is created below, not by the agent's config: its thread-pool parameters depend on
+        # the memory the agent moves (``device_memory``, config.py), and split_batch_size is only reachable
+        # through create_backend.
+        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[])
         try:
             with _progress_delay(api, config.progress_delay_us):
                 self._agent = api.nixl_agent(name, conf)
         except self._errors as exc:
             raise EngineError(str(exc), operation="create agent", agent=name) from exc
+        plugins = sorted(self._agent.get_plugin_list())
+        if "UCX" not in plugins:
+            raise EngineError(f"no UCX plugin was found (plugins: {plugins})", operation="create agent", agent=name)
+        self.backend_params = self._create_backend(device_memory)  # what the UCX backend was created with
+
+    def _create_backend(self, device_memory: bool) -> dict[str, str]:
+        """The UCX backend, with the thread-pool parameters for this memory kind (config.py)."""
+        params = self.config.backend_params(device_memory)
+        try:
+            self._agent.create_backend("UCX", params)
+        except self._errors as exc:
+            raise EngineError(f"the UCX plugin loaded but did not come up (parameters {params}): {exc}",
+                              operation="create agent", agent=self.name) from exc
         if "UCX" not in self._agent.backends:
-            plugins = sorted(self._agent.get_plugin_list())
-            why = "no UCX plugin was found" if "UCX" not in plugins else "the UCX plugin loaded but did not come up"
-            raise EngineError(f"{why} (plugins: {plugins})", operation="create agent", agent=name)
+            raise EngineError(f"the UCX plugin loaded but did not come up (parameters {params})",
+                              operation="create agent", agent=self.name)
+        log.debug("agent %s: UCX backend %s", self.name, params or "with NIXL's defaults")
+        return params
 
     # ---- what NIXL loaded (the doctor reports it) -----------------------------------------
     @property
@@ -149,6 +169,7 @@ class NixlAgent:
 
     @property
     def backends(self) -> list[str]:
+        """Backends created (UCX, at construction)."""
         return sorted(self._agent.backends)
 
     def mem_types(self, backend: str = "UCX") -> list[str]:
@@ -255,13 +276,25 @@ class NixlAgent:
 
         A NIXL error (the peer disconnected, ...) makes the state ERR with ``xfer.error`` set.
         """
-        if xfer.state is XferState.PROC:
+        if xfer.state is XferState.PROC and (self._scope < 0 or xfer.checked_in != self._scope):
+            xfer.checked_in = self._scope
             try:
                 with self._wrap("check transfer", xfer.peer):
                     xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
             except EngineError as exc:
                 xfer.state, xfer.error = XferState.ERR, exc
         return xfer.state
+
+    @contextmanager
+    def one_check_per_handle(self):
+        """Within this block each READ's state is asked of NIXL at most once (a consumer's poll: its pack
+        reader and its own loop both look at a request's handles). Outside it every check asks."""
+        self._scopes += 1
+        self._scope = self._scopes
+        try:
+            yield
+        finally:
+            self._scope = -1
 
     def release(self, xfer: XferHandle) -> bool:
         """Free a READ's handle; False when NIXL refuses because the READ may still write (try again later)."""

@@ -23,6 +23,28 @@ only work when every planned range is an entry of a list prepared per block in a
 fails as soon as the two sides' block sizes differ (pieces end at arbitrary tokens); DIRECT is
 general and faster than per-request prepared lists, so it is the default.
 
+UCX thread-pool engine (``num_backend_threads``, ``split_batch_size``): on GPU caches every
+descriptor costs UCX's ``cuda_ipc`` about 6 us of CPU work in one worker (docs/benchmarks.md), so
+a request of 100-750 descriptors is CPU-bound. UCX's thread pool splits a request into tasks of
+``split_batch_size`` descriptors over ``num_threads`` threads. Measured on one H200 (16 cores),
+qwen3.5-397b-a17b, 8192 tokens, GB/s of the direct (coalesced) path (docs/benchmarks.md, "Issue 13"):
+
+  threads / split   P1->D1 frag 0 / 1, one rank     P1->D1 frag 0 / 1     P2->D8 frag 1 (8 ranks
+                    (ucx_threads.py, 16 requests)   (bench, 8 requests)   on one GPU, bench)
+  0 (one worker)    314 / 331                       372 / 218             76   (ovh 15.4 ms)
+  2 / 16            432 / 434
+  4 / 8             492 / 532
+  4 / 16            586 / 466                       391 / 368             112  (ovh 7.3 ms)
+  4 / 32            612 / 402
+  8 / 16            604 / 522                       310 / 355             86   (ovh 11.7 ms)
+  8 / 32            522 / 595
+
+With one decode rank 4-8 threads and splits of 16-32 are within round-to-round noise; with eight
+decode ranks sharing 16 cores, 8 threads each oversubscribe them (decode CPU 1.63 s against 1.20 s)
+and lose. So GPU caches get 4 threads and splits of 16 (GPU_BACKEND_DEFAULTS). On CPU hosts (DRAM,
+``cma``) the copy itself runs in the posting thread and the 2-core hosts have no cores to spare,
+so host caches keep one worker (HOST_BACKEND_DEFAULTS, the setting of the CPU tables).
+
 Pack mode (issue 6): producers gather each held request into a staging pool at hold() time, in
 a canonical order (plan/stage_layout.py) that makes every consumer rank's share at most two
 ranges per source; consumers read those and scatter them. When a request does not fit a pool
@@ -63,6 +85,9 @@ class PrepStrategy(enum.Enum):
 
 
 _STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
+# (num_threads, split_batch_size) of the UCX backend when the config leaves them None; see the module docstring.
+GPU_BACKEND_DEFAULTS: tuple[int, int | None] = (4, 16)
+HOST_BACKEND_DEFAULTS: tuple[int, int | None] = (0, None)
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
@@ -93,7 +118,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         None: min(5 s, lease_s / 4) (``heartbeat_every_s``).
     progress: who progresses NIXL; see the measured figures in this module's docstring.
     progress_delay_us: sleep of NIXL's progress thread between rounds (ON_WITH_DELAY only).
-    num_backend_threads: UCX backend worker threads (0: NIXL's default).
+    num_backend_threads: threads of UCX's thread-pool engine (UCX's ``num_threads``; 0: one worker, no pool).
+        None: chosen by the cache's memory (GPU_BACKEND_DEFAULTS or HOST_BACKEND_DEFAULTS, measured below).
+    split_batch_size: descriptors per thread-pool task (UCX's ``split_batch_size``; only reachable through
+        ``create_backend``, not NIXL's agent config). UCX's own default (1024) leaves every realistic
+        request on one thread. None: chosen by the cache's memory like num_backend_threads.
     mode: plan mode of the consumer's reads: coalesced, naive, pack (through staging, see above) or
         auto (per source, pack when the cost model expects it to be faster). Producers stage the
         requests they hold only in pack and auto.
@@ -126,7 +155,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     heartbeat_interval_s: float | None = None
     progress: ProgressPolicy = ProgressPolicy.OFF
     progress_delay_us: int = 100
-    num_backend_threads: int = 0
+    num_backend_threads: int | None = None
+    split_batch_size: int | None = None
     mode: PlanMode = PlanMode.COALESCED
     prep: PrepStrategy = PrepStrategy.DIRECT
     staging_bytes: int = 256 << 20
@@ -166,8 +196,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not _is_int(self.notification_backlog_bytes) or self.notification_backlog_bytes < MAX_MESSAGE_BYTES:
             _bad("notification_backlog_bytes", self.notification_backlog_bytes,
                  f"must be an integer of at least {MAX_MESSAGE_BYTES} (one message of the largest size)")
-        if not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0:
-            _bad("num_backend_threads", self.num_backend_threads, "must be a non-negative integer")
+        if self.num_backend_threads is not None and (
+                not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0):
+            _bad("num_backend_threads", self.num_backend_threads, "must be None or a non-negative integer")
+        if self.split_batch_size is not None and (
+                not isinstance(self.split_batch_size, int) or self.split_batch_size < 1):
+            _bad("split_batch_size", self.split_batch_size, "must be None or a positive integer")
         if not isinstance(self.mode, PlanMode):
             _bad("mode", self.mode, f"must be one of {[m.value for m in PlanMode]}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0 or (
@@ -179,6 +213,16 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                     _bad(f"cost.{name}", value, "must be a non-negative, finite number of seconds")
         return self
+
+    def backend_params(self, device_memory: bool) -> dict[str, str]:
+        """The UCX backend's init parameters for a cache in device (True) or host memory."""
+        threads, split = GPU_BACKEND_DEFAULTS if device_memory else HOST_BACKEND_DEFAULTS
+        threads = threads if self.num_backend_threads is None else self.num_backend_threads
+        split = split if self.split_batch_size is None else self.split_batch_size
+        params = {"num_threads": str(threads)} if threads > 0 else {}
+        if threads > 0 and split is not None:
+            params["split_batch_size"] = str(split)
+        return params
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], *, tp_rank: int = 0) -> EngineConfig:

@@ -121,7 +121,8 @@ class Consumer:
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config)
+        self.agent = NixlAgent(f"{self.engine_id}-c{self.tp_rank}-{secrets.token_hex(4)}", self.config,
+                               device_memory=cache.device.type == "cuda")
         self._closed = False
         self._peers: Peers | None = None
         self._pack: PackReader | None = None
@@ -223,19 +224,21 @@ class Consumer:
         if rid in self._requests:
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
         ids = block_id_arrays("local", local_block_ids_per_group, len(self._kinds))
-        validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
-                           self.cache.num_blocks, exact=False)
         link = self._peers.ensure(ticket.engine_key, ticket.addresses)
+        ready = link.state is LinkState.READY
+        if not ready:  # a ready link's planner validates both sides below: each id is checked once
+            validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
+                               self.cache.num_blocks, exact=False)
         if link.state is LinkState.FAILED:
             raise _again(link.error)
-        local = tuple(tuple(int(b) for b in arr) for arr in ids)
-        busy = [b for group in local for b in group if b in self._owners]
-        if busy:
-            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
+        local = tuple(tuple(arr.tolist()) for arr in ids)
         now = self._clock()
         req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
                           changed_at=now)
-        plan = self._plan(req) if link.state is LinkState.READY else None  # PlanError: nothing registered yet
+        plan = self._plan(req, ids) if ready else None  # PlanError: nothing registered yet
+        busy = [b for group in local for b in group if b in self._owners]
+        if busy:
+            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
         self._requests[rid] = req
         for group in local:
             for b in group:
@@ -259,11 +262,12 @@ class Consumer:
         self._pack.receive()
         now = self._clock()
         self._tombstones.prune(now)
-        for req in list(self._requests.values()):
-            self._advance(req, now)
-        self._advance_declines(now)
-        self._heartbeat(now)
-        return self._collect(now)
+        with self.agent.one_check_per_handle():  # pack's and this loop's checks share one NIXL query a poll
+            for req in list(self._requests.values()):
+                self._advance(req, now)
+            self._advance_declines(now)
+            self._heartbeat(now)
+            return self._collect(now)
 
     def abort(self, request_id: str) -> bool:
         """The embedder gives up on a request; False when it is unknown or already ending.
@@ -408,10 +412,12 @@ class Consumer:
             error = h.error or EngineError("READ ended in error", operation="READ", agent=self.agent.name, peer=h.peer)
             self._end(req, error, now, FailureCause.NIXL)
 
-    def _plan(self, req: ReadRequest) -> ReadPlan:
+    def _plan(self, req: ReadRequest, local_ids=None) -> ReadPlan:
+        """The request's one plan (validated once, here); ``local_ids``: its local ids already as arrays."""
         t = req.ticket
         planner = req.link.resolve().planner
-        return planner.plan(req.local_block_ids, t.block_ids, t.num_tokens, self._pack.plan_mode, cost=self._pack.cost)
+        local = req.local_block_ids if local_ids is None else local_ids
+        return planner.plan(local, t.block_ids, t.num_tokens, self._pack.plan_mode, cost=self._pack.cost)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)

@@ -5,11 +5,18 @@ separate allocations, so a list that touches all of them would need a kernel per
 ``Arena`` aliases one uint8 tensor over the whole address span of the cache's tensors (zero-copy, via
 the array interface), and every piece becomes rows of that one tensor. Rows are ``g`` bytes, g the
 largest common divisor of every piece's start (relative to the arena), length and the staging
-pointer, viewed as the widest integer type dividing g; the row index (one int64 per row) is built
-from the piece arrays (on the device for CUDA), then
+pointer, viewed as the widest element type dividing g (int64, on CUDA 16-byte elements, whenever g
+allows: the element type decides the speed, docs/benchmarks.md); the row index (one int64 per row)
+is built from the piece arrays, then
 
   gather:  index_select(arena_rows, 0, rows, out=staging_rows)   (staging is dense, in piece order)
   scatter: arena_rows.index_copy_(0, rows, staging_rows)          (CPU: the same as a numpy row assignment)
+
+On CUDA the row index never passes through the host: row k of piece p is ``shift[p] + k``, and the
+row -> piece map depends only on the pieces' row counts (the plan's shape, the same for every
+request of one shape), so it is uploaded once and cached per shape (``IndexCache``). Per request
+only ``shift`` (one int64 per piece) is copied up, from pinned memory, without waiting for the
+stream; two small kernels make the index and one kernel copies.
 
 Bytes between the tensors are never touched: every piece is first checked to lie inside one
 tensor (RangeError otherwise). On CUDA both run on the copier's own stream (a gather first waits
@@ -20,6 +27,7 @@ inside the call.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Sequence
 
@@ -29,6 +37,12 @@ import torch
 from hybrid_transfer.errors import PlanError, RangeError
 
 _ROW_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+# CUDA only: rows of 16-byte elements halve the elements an index kernel moves (rows are often only 256 B:
+# the gcd of a 397B rank's pieces). Index kernels load and store elements without arithmetic, so every bit
+# pattern (NaN payloads included) survives; tests/engine/test_gather_scatter.py checks it bitwise on CUDA.
+_CUDA_ROW_DTYPES = ((16, torch.complex128),) + _ROW_DTYPES
+INDEX_CACHE_SHAPES = 16  # row -> piece maps kept per copier (a few MB each for a 397B request)
+_PINNED_SLOTS = 8  # per-request shift uploads in flight per copier
 
 
 class _HostIface:
@@ -120,6 +134,73 @@ class CopyTicket:
         self._keep = ()
 
 
+class IndexCache:
+    """Per plan shape (row counts of the pieces), the device's row -> piece map; LRU, ``capacity`` shapes."""
+
+    def __init__(self, device: torch.device, capacity: int = INDEX_CACHE_SHAPES):
+        self.device = device
+        self.capacity = capacity
+        self._maps: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()
+        self._arange = torch.empty(0, dtype=torch.int64, device=device)
+        self.hits = 0
+        self.misses = 0
+
+    def piece_of_row(self, rows_per: np.ndarray, num_rows: int) -> torch.Tensor:
+        """int64 tensor of ``num_rows``: the piece each staging row belongs to (built on a miss only)."""
+        key = rows_per.tobytes()
+        found = self._maps.get(key)
+        if found is not None:
+            self.hits += 1
+            self._maps.move_to_end(key)
+            return found
+        self.misses += 1
+        counts = torch.as_tensor(rows_per, device=self.device)
+        pieces = torch.arange(rows_per.shape[0], dtype=torch.int64, device=self.device)
+        found = torch.repeat_interleave(pieces, counts, output_size=num_rows)
+        self._maps[key] = found
+        if len(self._maps) > self.capacity:
+            self._maps.popitem(last=False)
+        return found
+
+    def arange(self, n: int) -> torch.Tensor:
+        """0 .. n-1 on the device (one tensor, grown when needed)."""
+        if self._arange.shape[0] < n:
+            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), dtype=torch.int64, device=self.device)
+        return self._arange[:n]
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
+class _PinnedRing:
+    """Pinned host buffers for small uploads that must not wait for the stream (pageable copies would)."""
+
+    def __init__(self, slots: int = _PINNED_SLOTS):
+        self._slots: list[list] = [[torch.empty(0, dtype=torch.int64), None, 0] for _ in range(slots)]  # buf, event, n
+        self._next = 0
+
+    def stage(self, values: np.ndarray) -> list:
+        """Copy ``values`` (int64) into the next free pinned slot (host work only); pass the slot to ``upload``."""
+        slot = self._slots[self._next]
+        self._next = (self._next + 1) % len(self._slots)
+        if slot[1] is not None:
+            slot[1].synchronize()  # the slot's last upload; long finished unless uploads outrun the stream
+            slot[1] = None
+        n = values.shape[0]
+        if slot[0].shape[0] < n:
+            slot[0] = torch.empty(max(n, 2 * slot[0].shape[0]), dtype=torch.int64, pin_memory=True)
+        slot[0][:n].numpy()[:] = values
+        slot[2] = n
+        return slot
+
+    def upload(self, slot: list, device: torch.device, stream) -> torch.Tensor:
+        """The staged values on the device, copied on ``stream`` (the current one) without waiting for it."""
+        out = slot[0][: slot[2]].to(device, non_blocking=True)
+        slot[1] = torch.cuda.Event()
+        slot[1].record(stream)
+        return out
+
+
 class Copier:
     """Gathers and scatters between one Arena and staging tensors of the same device."""
 
@@ -127,6 +208,8 @@ class Copier:
         self.arena = arena
         self.device = arena.device
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.index_cache = IndexCache(self.device) if self._stream is not None else None
+        self._pinned = _PinnedRing() if self._stream is not None else None
 
     def gather(self, src_addr: np.ndarray, length: np.ndarray, staging: torch.Tensor) -> CopyTicket:
         """staging[offset_i : offset_i + length_i] = bytes at src_addr_i, offsets the prefix sums of length."""
@@ -150,7 +233,6 @@ class Copier:
             return CopyTicket(0.0)
         rel = addr - self.arena.origin
         g = int(np.gcd.reduce(np.concatenate((rel, length, [staging.data_ptr() - self.arena.origin]))))
-        width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
         first_row, rows_per = rel // g, length // g
         # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
         shift = first_row - (np.cumsum(rows_per) - rows_per)
@@ -163,31 +245,37 @@ class Copier:
         if gather:  # cheap insurance: after any writes to the cache still queued on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            start.record()
-            keep = self._copy_device(shift, rows_per, num_rows, g, staging, gather)
+            keep = self._copy_device(shift, rows_per, num_rows, g, staging, gather, start)
             end.record()
         return CopyTicket(None, start, end, keep)
 
     def _rows(self, g: int, staging: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Arena and staging as rows of g bytes, in the widest integer type dividing g."""
-        width, dtype = next((w, d) for w, d in _ROW_DTYPES if g % w == 0 and self.arena.origin % w == 0)
+        """Arena and staging as rows of g bytes, in the widest element type dividing g (and the origin)."""
+        dtypes = _CUDA_ROW_DTYPES if self.device.type == "cuda" else _ROW_DTYPES
+        width, dtype = next((w, d) for w, d in dtypes if g % w == 0 and self.arena.origin % w == 0)
         arena_rows = self.arena.bytes[: (self.arena.nbytes // g) * g].view(dtype).view(-1, g // width)
         return arena_rows, staging[: num_rows * g].view(dtype).view(num_rows, g // width)
 
     def _copy_device(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
-                     gather: bool) -> tuple:
-        """One index_select or index_copy_ kernel; the row index is built on the device (no host pass per row)."""
-        dev = self.device
+                     gather: bool, start) -> tuple:
+        """One index_select or index_copy_ kernel over int rows; the index is made on the device from the
+        cached row -> piece map of this shape and the per-piece shifts (the only per-request upload).
+
+        ``start`` is recorded once the host's part is done (views, cache lookup): the event pair times
+        the device's work, upload and index included, not the host's launch path.
+        """
         arena_rows, stage_rows = self._rows(g, staging, num_rows)
-        shift_t = torch.as_tensor(shift, device=dev)
-        counts = torch.as_tensor(rows_per, device=dev)
-        index = torch.repeat_interleave(shift_t, counts, output_size=num_rows)
-        index += torch.arange(num_rows, device=dev, dtype=torch.int64)
+        piece_of_row = self.index_cache.piece_of_row(rows_per, num_rows)
+        ramp = self.index_cache.arange(num_rows)
+        slot = self._pinned.stage(shift)
+        start.record()
+        shift_t = self._pinned.upload(slot, self.device, self._stream)
+        index = torch.add(ramp, shift_t.index_select(0, piece_of_row))
         if gather:
             torch.index_select(arena_rows, 0, index, out=stage_rows)
         else:
             arena_rows.index_copy_(0, index, stage_rows)
-        return (index, shift_t, counts, staging)
+        return (index, shift_t, piece_of_row, staging)
 
     def _copy_host(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
                    gather: bool) -> None:

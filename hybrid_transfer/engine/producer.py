@@ -108,7 +108,8 @@ class Producer:
         self.tp_rank, self.tp_size = self.geometry.tp_rank, self.geometry.tp_size
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
-        self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config)
+        self.agent = NixlAgent(f"{self.engine_id}-p{self.tp_rank}-{self.incarnation:x}", self.config,
+                               device_memory=cache.device.type == "cuda")
         self._closed = False
         self._server: HandshakeServer | None = None
         self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)

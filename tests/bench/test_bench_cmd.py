@@ -41,6 +41,8 @@ def test_p1_d1_verified_run_reports_every_figure(tmp_path):
     assert doc["payload_bytes_per_request"] == 600 * geo.kv_bytes_per_token * 6 + geo.state_bytes_per_request
     assert doc["naive_descriptors_per_request"] > doc["descriptors_per_request"] > 1
     assert doc["ceiling_descriptors_per_request"] == 1
+    assert doc["copy_gbps"] > 0 and doc["copy_descriptors_per_request"] == 1  # the physical-limit row
+    assert doc["ceiling_over_copy"] == pytest.approx(doc["ceiling_gbps"] / doc["copy_gbps"], rel=1e-3)
     assert doc["mode_over_naive"] == pytest.approx(doc["gbps"] / doc["naive_gbps"], rel=1e-3)
     assert doc["mode_over_ceiling"] == pytest.approx(doc["gbps"] / doc["ceiling_gbps"], rel=1e-3)
     assert 0 < doc["p50_ms"] <= doc["p99_ms"]
@@ -60,7 +62,7 @@ def test_fan_out_sweep_with_naive_mode_and_plot(tmp_path):
     assert doc["sweep"] == "fragmentation" and doc["sweep_values"] == [0.0, 1.0]
     assert doc["verified"] is True and len(doc["points"]) == 2
     for point in doc["points"]:
-        assert set(point["variants"]) == {"naive", "ceiling"}
+        assert set(point["variants"]) == {"naive", "ceiling", "copy"}
         assert point["gbps"] == point["naive_gbps"] > 0
         assert point["ceiling_descriptors_per_request"] == 2  # one READ per decode rank
         assert len(point["consumer_cpu_s"]) == 2

@@ -44,6 +44,9 @@ COMMANDS = [
     m.CeilingAddSources([m.CeilingSource(0, b"meta", 1 << 40, 4096, 0, 7)]),
     m.RunCeiling(["r0"], {0: 100, 1: 200}, 2, 5.5),
     m.CeilingVerify(1, {0: 100}),
+    m.CopyOpen([m.CopySourceSpec(0, 100, 0, 7), m.CopySourceSpec(1, 200, 1, 8)]),
+    m.RunCopy(["r0"], {0: 100, 1: 200}, 2, 5.5),
+    m.CopyVerify(1, {0: 100}),
     m.Shutdown(),
 ]
 REPLIES = [

@@ -31,7 +31,7 @@ def _result(spec: BenchSpec, points: list[Point], verified: bool = True) -> Benc
     out = []
     for i, p in enumerate(points):
         stats = {chosen: _stats(chosen, 4.0 + i, 40.0, verified), "naive": _stats("naive", 2.0, 130.0),
-                 "ceiling": _stats("ceiling", 5.0, 1.0)}
+                 "ceiling": _stats("ceiling", 5.0, 1.0), "copy": _stats("copy", 10.0, 1.0)}
         out.append(PointResult(p, 1000, stats))
     return BenchResult(spec, out, MemoryEstimate(1, 2, 3), {"cpu_count": 2})
 
@@ -44,7 +44,8 @@ def test_point_record_has_the_required_keys_and_ratios():
     assert record["mode_over_ceiling"] == pytest.approx(0.8) and record["mode_over_naive"] == pytest.approx(2.0)
     assert record["descriptors_per_request"] == 40.0 and record["naive_descriptors_per_request"] == 130.0
     assert record["verified"] is True
-    assert set(record["variants"]) == {"coalesced", "naive", "ceiling"}
+    assert set(record["variants"]) == {"coalesced", "naive", "ceiling", "copy"}
+    assert record["copy_gbps"] == 10.0 and record["ceiling_over_copy"] == pytest.approx(0.5)
     json.dumps(record)  # plain JSON types only
 
 
@@ -74,9 +75,10 @@ def test_sweep_json_lists_points_in_order():
 def test_table_has_one_row_per_variant_and_point():
     spec = BenchSpec(sweep=Sweep.TOKENS, sweep_values=(64.0, 128.0))
     rows = table_rows(_result(spec, list(spec.points)))
-    assert len(rows) == 6 and all(len(r) == len(COLUMNS) + 1 for r in rows)
+    assert len(rows) == 8 and all(len(r) == len(COLUMNS) + 1 for r in rows)
     assert rows[0][:3] == ["64", "coalesced*", "4.00"]
-    assert rows[2][4] == "-"  # the ceiling has no "vs naive"
+    assert rows[2][4] == "-" and rows[3][4] == "-"  # the ceiling and the copy have no "vs naive"
+    assert rows[3][1:4] == ["copy", "10.00", "2.00"]  # the physical limit, as a multiple of the ceiling
 
 
 def test_plain_table_without_rich_shows_the_same_rows():
@@ -85,7 +87,7 @@ def test_plain_table_without_rich_shows_the_same_rows():
     lines = plain_table(result).splitlines()
     assert lines[0].startswith("qwen3.5-0.8b  P1 -> D1  cpu  2048 tokens")
     assert lines[2].split() == [c for col in COLUMNS for c in col.split()]
-    assert [line.split()[0] for line in lines[4:7]] == ["coalesced*", "naive", "ceiling"]
+    assert [line.split()[0] for line in lines[4:8]] == ["coalesced*", "naive", "ceiling", "copy"]
 
 
 @pytest.mark.parametrize("sweep", [Sweep.NONE, Sweep.TOKENS])

@@ -45,10 +45,10 @@ def test_unknown_preset_lists_the_shipped_ones():
 
 
 def test_variants_always_include_naive_and_ceiling_once():
-    assert BenchSpec().variants == (Variant.COALESCED, Variant.NAIVE, Variant.CEILING)
-    assert BenchSpec(mode=PlanMode.NAIVE).variants == (Variant.NAIVE, Variant.CEILING)
-    assert BenchSpec(mode=PlanMode.PACK).variants == (Variant.PACK, Variant.NAIVE, Variant.CEILING)
-    assert Variant.CEILING.plan_mode is None and Variant.AUTO.plan_mode is PlanMode.AUTO
+    assert BenchSpec().variants == (Variant.COALESCED, Variant.NAIVE, Variant.CEILING, Variant.COPY)
+    assert BenchSpec(mode=PlanMode.NAIVE).variants == (Variant.NAIVE, Variant.CEILING, Variant.COPY)
+    assert BenchSpec(mode=PlanMode.PACK).variants == (Variant.PACK, Variant.NAIVE, Variant.CEILING, Variant.COPY)
+    assert Variant.CEILING.plan_mode is None and Variant.COPY.plan_mode is None and Variant.AUTO.plan_mode is PlanMode.AUTO
 
 
 def test_sweep_points_vary_one_axis():

@@ -55,3 +55,19 @@ def test_a_closed_agent_refuses_every_call():
         _ = a.metadata
     with pytest.raises(EngineError, match="closed"):
         a.get_notifs()
+
+
+def test_the_ucx_backend_is_created_with_the_configured_thread_pool():
+    """split_batch_size reaches UCX only through create_backend: NIXL reports what the backend was built with."""
+    a = NixlAgent("test-agent-pool", EngineConfig(num_backend_threads=2, split_batch_size=8))
+    try:
+        assert a.backend_params == {"num_threads": "2", "split_batch_size": "8"}
+        assert a._agent.get_backend_params("UCX") == {"num_threads": "2", "split_batch_size": "8"}
+        assert a.backends == ["UCX"]
+    finally:
+        a.close()
+    host = NixlAgent("test-agent-host", EngineConfig())  # host memory by default: no pool
+    try:
+        assert host.backend_params == {} and host.backends == ["UCX"]
+    finally:
+        host.close()

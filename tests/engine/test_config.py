@@ -27,6 +27,7 @@ def test_defaults_are_valid_loopback_with_explicit_progress():
     ("lease_s", float("nan")),
     ("progress_delay_us", -5),
     ("num_backend_threads", -1),
+    ("split_batch_size", 0),
     ("staging_bytes", -1),
     ("staging_bytes", 1.5),
 ])
@@ -58,3 +59,15 @@ def test_pack_and_auto_are_executable_and_need_a_staging_pool(mode):
         EngineConfig(mode=mode, cost=CostParams(per_byte_s=-1.0)).validate()
     assert info.value.field == "cost.per_byte_s"
     assert EngineConfig(staging_bytes=0).validate().mode is PlanMode.COALESCED  # no pool without pack
+
+
+def test_ucx_thread_pool_defaults_follow_the_memory_kind_and_explicit_values_win():
+    from hybrid_transfer.engine.config import GPU_BACKEND_DEFAULTS
+
+    threads, split = GPU_BACKEND_DEFAULTS
+    assert EngineConfig().backend_params(True) == {"num_threads": str(threads), "split_batch_size": str(split)}
+    assert EngineConfig().backend_params(False) == {}  # host caches: one UCX worker, NIXL's own settings
+    assert EngineConfig(num_backend_threads=2, split_batch_size=8).backend_params(False) == {
+        "num_threads": "2", "split_batch_size": "8"}
+    assert EngineConfig(num_backend_threads=0).backend_params(True) == {}  # no pool: a split size means nothing
+    assert EngineConfig(split_batch_size=32).backend_params(True)["split_batch_size"] == "32"

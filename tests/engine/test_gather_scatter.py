@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_transfer.engine.gather_scatter import Arena, Copier
+from hybrid_transfer.engine.gather_scatter import Arena, Copier, IndexCache
 from hybrid_transfer.errors import PlanError, RangeError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -90,3 +90,91 @@ def test_pieces_outside_the_tensors_and_oversized_lists_are_refused():
     with pytest.raises(PlanError, match="flat uint8"):
         copier.gather(np.array([lo.data_ptr()]), np.array([16]), staging.view(torch.int32))
     assert not staging.any()  # nothing moved before a refusal
+
+
+def test_index_cache_maps_rows_to_pieces_once_per_shape_and_forgets_the_oldest():
+    cache = IndexCache(torch.device("cpu"), capacity=2)
+    rows_per = np.array([3, 1, 2], dtype=np.int64)
+    got = cache.piece_of_row(rows_per, 6)
+    assert got.tolist() == [0, 0, 0, 1, 2, 2]
+    assert cache.piece_of_row(rows_per.copy(), 6) is got and (cache.hits, cache.misses) == (1, 1)
+    cache.piece_of_row(np.array([1, 1], dtype=np.int64), 2)
+    cache.piece_of_row(np.array([2], dtype=np.int64), 2)  # a third shape: the least recently used goes
+    assert len(cache) == 2
+    assert cache.piece_of_row(rows_per, 6) is not got and cache.misses == 4
+    assert cache.arange(5).tolist() == [0, 1, 2, 3, 4] and cache.arange(12).tolist() == list(range(12))
+
+
+def _shifted_requests(device: str):
+    """Two requests of one plan shape (same piece lengths, in the same order) at different places."""
+    rng = np.random.default_rng(5)
+    cache = _tensors(rng, [512 * 64, 512 * 48], device)
+    lengths = np.array([512, 1536, 1024, 512], dtype=np.int64)
+    requests = []
+    for starts in ((0, 2, 10, 40), (5, 30, 20, 1)):  # 512-byte rows of the first tensor / of the second
+        base = [cache[0].data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), cache[1].data_ptr()]
+        requests.append(np.array([b + 512 * s for b, s in zip(base, starts, strict=True)], dtype=np.int64))
+    return cache, requests, lengths
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_requests_of_one_shape_reuse_the_index_map_and_land_bitwise(device):
+    cache, requests, lengths = _shifted_requests(device)
+    copier = Copier(Arena(cache))
+    total = int(lengths.sum())
+    for k, dst in enumerate(requests):
+        staging = torch.arange(total, dtype=torch.int64, device=device).mul_(7 + k).to(torch.uint8)
+        before = [t.clone() for t in cache]
+        ticket = copier.scatter(staging, dst, lengths)
+        while not ticket.is_done:  # completion seen by polling the end event (CUDA), at once on CPU
+            pass
+        want = [t.cpu().numpy().copy() for t in before]
+        off = 0
+        for a, n in zip(dst.tolist(), lengths.tolist(), strict=True):
+            i = _index(cache, a)
+            o = a - cache[i].data_ptr()
+            want[i][o : o + n] = staging[off : off + n].cpu().numpy()
+            off += n
+        assert all(np.array_equal(t.cpu().numpy(), w) for t, w in zip(cache, want, strict=True))
+        back = torch.zeros(total, dtype=torch.uint8, device=device)
+        copier.gather(dst, lengths, back).wait()
+        assert torch.equal(back, staging)
+    if device == "cuda":  # one shape: the row -> piece map was built once, for the first scatter
+        assert (copier.index_cache.misses, copier.index_cache.hits) == (1, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
+def test_cuda_scatters_queued_back_to_back_land_in_stream_order():
+    """More scatters queued than the pinned ring has slots: each lands, in the order queued on the copier stream."""
+    cache, requests, lengths = _shifted_requests("cuda")
+    copier = Copier(Arena(cache))
+    total = int(lengths.sum())
+    tickets, stagings = [], []
+    for k in range(20):  # more than the pinned ring's slots: a slot is reused only after its upload ran
+        staging = torch.full((total,), k, dtype=torch.uint8, device="cuda")
+        torch.cuda.current_stream().synchronize()
+        stagings.append(staging)
+        tickets.append(copier.scatter(staging, requests[k % 2], lengths))
+    for t in tickets:
+        t.wait()
+    for k in (18, 19):  # the last scatter of each destination set wins
+        back = torch.zeros(total, dtype=torch.uint8, device="cuda")
+        copier.gather(requests[k % 2], lengths, back).wait()
+        assert bool((back == k).all())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
+def test_cuda_wide_rows_keep_every_bit_pattern():
+    """16-byte rows are moved as complex128: NaN payloads (signalling and quiet) and -0.0 come through bitwise."""
+    cache, requests, lengths = _shifted_requests("cuda")
+    total = int(lengths.sum())
+    words = np.random.default_rng(9).integers(0, 2**63, total // 8, dtype=np.int64)
+    specials = np.array([0x7FF0000000000001, 0x7FF8DEADBEEF0001, -0x0010000000000001, -0x8000000000000000,
+                         0x7FF0000000000000], dtype=np.int64)  # sNaN, qNaN with payload, NaN, -0.0, inf
+    words[: specials.shape[0] * 50] = np.tile(specials, 50)
+    staging = torch.from_numpy(words.view(np.uint8).copy()).cuda()
+    copier = Copier(Arena(cache))
+    copier.scatter(staging, requests[0], lengths).wait()
+    back = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    copier.gather(requests[0], lengths, back).wait()
+    assert torch.equal(back, staging)

@@ -16,7 +16,7 @@ for key, value in {"VLLM_TARGET_DEVICE": "cpu", "VLLM_SSM_CONV_STATE_LAYOUT": "D
 sys.path.insert(0, str(Path(__file__).parent))
 
 try:
-    import vllm  # noqa: F401
+    import vllm.config  # noqa: F401 - the real package (tests/vllm itself would pass for a namespace "vllm")
 except ImportError as exc:  # pragma: no cover - the wrong interpreter
     raise RuntimeError("tests/vllm needs vLLM: run it with the interpreter of `bash scripts/vllm_env.sh` "
                        "(scripts/test.sh does)") from exc

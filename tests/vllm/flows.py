@@ -5,7 +5,12 @@ from __future__ import annotations
 from driver import Engine, StepResult, run_until, through_json
 from vllm.v1.request import RequestStatus
 
+from hybrid_transfer.engine.ticket_params import ticket_to_params
+from hybrid_transfer.engine.tickets import EngineCard, issue_ticket
 from hybrid_transfer.integrations.vllm import params as kvp
+from hybrid_transfer.layout.model import LayerKind
+
+HYBRID_GROUPS = (LayerKind.ATTENTION, LayerKind.GDN, LayerKind.GDN, LayerKind.GDN)  # the tiny model, our order
 
 
 def prefill(p: Engine, rid: str, num_tokens: int, *, others: tuple[Engine, ...] = (), add: bool = True) -> dict:
@@ -50,3 +55,14 @@ def drain(engines: tuple[Engine, ...], what: str = "both engines empty") -> None
 
 def waiting_for_kvs(d: Engine, rid: str) -> bool:
     return d.status(rid) is RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+def ticket_params(num_tokens: int, *, group_kinds=HYBRID_GROUPS, address: str = "tcp://127.0.0.1:9",
+                  block_size: int = 16) -> dict:
+    """Decode params with a ticket from a prefill engine that is not there (the scheduler cannot tell)."""
+    card = EngineCard(engine_id="absent-prefill", incarnation=7, tp_size=1, addresses=(address,), lease_s=30.0,
+                      block_size=block_size, num_blocks=64, group_kinds=tuple(group_kinds), fingerprint="f")
+    blocks = [list(range(1, 1 + -(-num_tokens // block_size))) if k is LayerKind.ATTENTION else [40 + i]
+              for i, k in enumerate(group_kinds)]
+    ticket = issue_ticket(card, "p-absent", blocks, num_tokens)
+    return through_json({kvp.DO_REMOTE_PREFILL: True, kvp.DO_REMOTE_DECODE: False, kvp.TICKET: ticket_to_params(ticket)})

@@ -121,6 +121,30 @@ def op_digest(state: _State, key: str, layout) -> str:
     return h.hexdigest()
 
 
+def op_attention_is_zero(state: _State, key: str, layout) -> bool:
+    """Whether every K and V byte of the request's attention blocks is zero (a failed load's blocks)."""
+    from hybrid_transfer.layout.model import LayerKind
+
+    cache = _cache(state, key)
+    g = cache.geometry
+    for group, ids in zip(g.tensor_map.groups, layout.block_ids, strict=True):
+        if group.kind is not LayerKind.ATTENTION:
+            continue
+        for layer in group.layers:
+            for view in (cache.k(layer), cache.v(layer)):
+                for b in ids:
+                    raw = view[b * g.kernel_ratio: (b + 1) * g.kernel_ratio].contiguous().view(torch_uint8())
+                    if bool(raw.any()):
+                        return False
+    return True
+
+
+def torch_uint8():
+    import torch
+
+    return torch.uint8
+
+
 def op_reads(state: _State, key: str) -> dict[str, Any]:
     """The rank's consumer reads: request id -> (state, NIXL handle states)."""
     consumer = state.ranks[key].connector._worker._consumer

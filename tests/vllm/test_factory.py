@@ -14,7 +14,7 @@ from vllm.v1.worker.utils import allocate_kv_cache
 from vllm_engine import cpu, kernel_block_sizes, make_kv_cache_config, make_scheduler, make_vllm_config
 
 from hybrid_transfer.engine.tickets import decode_rank_card
-from hybrid_transfer.errors import UnsupportedError
+from hybrid_transfer.errors import EngineSpecMismatch, UnsupportedError
 from hybrid_transfer.integrations.vllm import HybridNixlConnector
 from hybrid_transfer.integrations.vllm.metadata import HandshakeCard
 
@@ -86,3 +86,16 @@ def test_a_resolved_layout_other_than_lbhnc_is_refused(model_dir):
         worker = KVConnectorFactory.create_connector(cfg, KVConnectorRole.WORKER, kvc)
         with pytest.raises(UnsupportedError, match="LBNHC"):
             worker.register_kv_caches(allocate_kv_cache(kvc, cpu(), KVCacheLayout.LBNHC, kernel_block_sizes(kvc)))
+
+
+def test_a_cache_that_disagrees_with_the_registry_is_refused_by_name(model_dir):
+    """vLLM's specs for TP1 handed to a TP2 worker: two KV heads where the registry expects one per rank."""
+    tp1 = make_vllm_config(model_dir, tp_size=1, block_size=16, kv_role="kv_both")
+    kvc = make_kv_cache_config(tp1, 16)
+    tp2 = make_vllm_config(model_dir, tp_size=2, block_size=16, kv_role="kv_both")
+    with mock.patch(RANK, return_value=0):
+        worker = KVConnectorFactory.create_connector(tp2, KVConnectorRole.WORKER, kvc)
+        with pytest.raises(EngineSpecMismatch) as refused:
+            worker.register_kv_caches(allocate_kv_cache(kvc, cpu(), KVCacheLayout.LBHNC, kernel_block_sizes(kvc)))
+    assert "num_kv_heads" in refused.value.fields
+    assert worker.get_handshake_metadata() is None  # no agent was opened

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from driver import Engine, run_until, seed_of
-from flows import drain, prefill, start_decode, until_received
+from flows import drain, prefill, start_decode, ticket_params, until_received
 from vllm.v1.request import RequestStatus
 
 from hybrid_transfer.integrations.vllm import params as kvp
@@ -18,15 +18,19 @@ def test_producer_killed_mid_read_is_a_failed_load_that_vllm_recomputes(model_di
     try:
         params = prefill(p, "p-kill", N)
         request = start_decode(d, "d-kill", N, params)
+        layout = d.layout("d-kill", N - 1)
         run_until("the READ is in flight", lambda: list(d.call("reads").values()) == [("reading", ["PROC"])], [p, d])
         hosts["victim"].kill()  # SIGKILL: the producer's memory and agent vanish mid-read
         failed, scheduled = [], []
 
         def note(engine, result):
-            failed.extend(r for r in result.failed_recving if r == "d-kill")
+            if "d-kill" in result.failed_recving:
+                # Reported once nothing can write: the connector zeroed what the READ may have half filled.
+                failed.append(d.call("attention_is_zero", layout))
             scheduled.append(result.scheduled.get("d-kill", 0))
 
         run_until("the load fails", lambda: bool(failed), [d], on_step=note)
+        assert failed == [True]
         run_until("decode recomputes and finishes", d.is_empty, [d], on_step=note)
         # kv_load_failure_policy "recompute": vLLM drops the external tokens and runs the whole prompt.
         assert N in scheduled and request.num_output_tokens == 2
@@ -56,4 +60,22 @@ def test_prefill_preemption_truncates_once(model_dir, hosts):
         drain((p, d))
     finally:
         p.shutdown()
+        d.shutdown()
+
+
+def test_an_unreachable_producer_is_a_failed_load_that_vllm_recomputes(model_dir, hosts):
+    """The ticket names a side channel nobody answers: the handshake fails, the request is recomputed."""
+    d = Engine("D", model_dir, [hosts["decode"]], tp_size=1, block_size=32, kv_role="kv_consumer", is_prefill=False,
+               extra={"handshake_timeout_s": 1.0})
+    try:
+        request = start_decode(d, "d-lost", N, ticket_params(N - 1))
+        failed, scheduled = [], []
+
+        def note(engine, result):
+            failed.extend(r for r in result.failed_recving if r == "d-lost")
+            scheduled.append(result.scheduled.get("d-lost", 0))
+
+        run_until("decode recomputes and finishes", d.is_empty, [d], on_step=note)
+        assert failed == ["d-lost"] and N in scheduled and request.num_output_tokens == 2
+    finally:
         d.shutdown()

@@ -8,7 +8,7 @@ geometry makes them equal), so the planner maps token ranges between pages of di
 from __future__ import annotations
 
 import pytest
-from driver import Engine, seed_of
+from driver import Engine, run_until, seed_of, through_json
 from flows import drain, prefill, start_decode, until_received, waiting_for_kvs
 
 from hybrid_transfer.integrations.vllm import params as kvp
@@ -57,6 +57,30 @@ def test_hetero_tp_with_different_block_sizes(model_dir, hosts, p_tp, d_tp):
     p, d = _engines(model_dir, hosts, p_tp=p_tp, d_tp=d_tp)
     try:
         _lifecycle(p, d, f"p{p_tp}d{d_tp}")
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_concurrent_requests_short_and_full_block_prompts(model_dir, hosts):
+    """Three requests in flight at once: a prompt shorter than a block, one whose N-1 tokens fill whole
+    blocks on both sides (no tail), and one with partial last blocks."""
+    p, d = _engines(model_dir, hosts, p_tp=1, d_tp=1)
+    lengths = {"short": 10, "full": 97, "partial": 100}
+    try:
+        for tag, n in lengths.items():
+            p.add(f"p-{tag}", n, params={kvp.DO_REMOTE_DECODE: True})
+        finished = {}
+        run_until("every prefill", lambda: len(finished) == len(lengths), [p],
+                  on_step=lambda e, r: finished.update(r.finished))
+        for tag, n in lengths.items():
+            d.add(f"d-{tag}", n, params=through_json(finished[f"p-{tag}"].kv_transfer_params))
+        received: set[str] = set()
+        run_until("every load", lambda: len(received) == len(lengths), [d, p],
+                  on_step=lambda e, r: received.update(r.finished_recving) if e is d else None)
+        layouts = [(d.layout(f"d-{tag}", n - 1), seed_of(f"p-{tag}")) for tag, n in lengths.items()]
+        d.call("check", layouts, True)
+        drain((p, d))
     finally:
         p.shutdown()
         d.shutdown()

@@ -2,47 +2,28 @@
 
 from __future__ import annotations
 
-import json
-
+from flows import ticket_params
 from vllm.v1.request import RequestStatus
 from vllm_engine import make_kv_cache_config, make_request, make_scheduler, make_vllm_config, write_tiny_model
 
-from hybrid_transfer.engine.ticket_params import ticket_to_params
-from hybrid_transfer.engine.tickets import EngineCard, issue_ticket
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.layout.model import LayerKind
 
 N = 100
 
 
-def _card(group_kinds, block_size=16) -> EngineCard:
-    return EngineCard(engine_id="prefill", incarnation=7, tp_size=1, addresses=("tcp://127.0.0.1:9",), lease_s=30.0,
-                      block_size=block_size, num_blocks=64, group_kinds=tuple(group_kinds), fingerprint="f")
-
-
-def _decode_params(card: EngineCard, num_tokens: int) -> dict:
-    blocks = [list(range(1, 1 + -(-num_tokens // card.block_size))) if k is LayerKind.ATTENTION else [40 + i]
-              for i, k in enumerate(card.group_kinds)]
-    ticket = issue_ticket(card, "p-1", blocks, num_tokens)
-    return json.loads(json.dumps({kvp.DO_REMOTE_PREFILL: True, kvp.TICKET: ticket_to_params(ticket)}))
-
-
-def _hybrid_kinds():
-    return (LayerKind.ATTENTION, LayerKind.GDN, LayerKind.GDN, LayerKind.GDN)
-
-
 def test_every_transfer_group_is_loaded(model_dir):
     cfg = make_vllm_config(model_dir, tp_size=1, block_size=32, kv_role="kv_consumer")
     kvc = make_kv_cache_config(cfg, 64)
     scheduler = make_scheduler(cfg, kvc)
-    request = make_request("d-1", N, params=_decode_params(_card(_hybrid_kinds()), N - 1))
+    request = make_request("d-1", N, params=ticket_params(N - 1))
     assert scheduler.connector.get_loaded_kv_cache_group_ids(request) == kvc.transfer_group_ids == (0, 1, 2, 3)
 
 
 def test_hybrid_decode_loads_n_minus_1_and_waits(model_dir):
     cfg = make_vllm_config(model_dir, tp_size=1, block_size=32, kv_role="kv_consumer")
     scheduler = make_scheduler(cfg, make_kv_cache_config(cfg, 64))
-    request = make_request("d-1", N, params=_decode_params(_card(_hybrid_kinds()), N - 1))
+    request = make_request("d-1", N, params=ticket_params(N - 1))
     assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (N - 1, True)
     scheduler.add_request(request)
     out = scheduler.schedule()
@@ -57,7 +38,7 @@ def test_hybrid_decode_loads_n_minus_1_and_waits(model_dir):
 def test_a_ticket_for_another_prompt_length_is_computed_locally_and_declined(model_dir):
     cfg = make_vllm_config(model_dir, tp_size=1, block_size=32, kv_role="kv_consumer")
     scheduler = make_scheduler(cfg, make_kv_cache_config(cfg, 64))
-    request = make_request("d-1", N, params=_decode_params(_card(_hybrid_kinds()), N - 5))
+    request = make_request("d-1", N, params=ticket_params(N - 5))
     assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.add_request(request)
     out = scheduler.schedule()
@@ -75,5 +56,18 @@ def test_attention_only_models_move_all_n_tokens(tmp_path):
 
     d_cfg = make_vllm_config(model_dir, tp_size=1, block_size=32, kv_role="kv_consumer")
     decode = make_scheduler(d_cfg, make_kv_cache_config(d_cfg, 64))
-    d_request = make_request("d-1", N, params=_decode_params(_card((LayerKind.ATTENTION,)), N))
+    d_request = make_request("d-1", N, params=ticket_params(N, group_kinds=(LayerKind.ATTENTION,)))
     assert decode.connector.get_num_new_matched_tokens(d_request, 0) == (N, True)
+
+
+def test_a_malformed_ticket_is_computed_locally(model_dir):
+    cfg = make_vllm_config(model_dir, tp_size=1, block_size=32, kv_role="kv_consumer")
+    scheduler = make_scheduler(cfg, make_kv_cache_config(cfg, 64))
+    params = ticket_params(N - 1)
+    params[kvp.TICKET]["nonce"] = 12345  # a JSON number, not the decimal string the codec writes
+    request = make_request("d-1", N, params=params)
+    assert scheduler.connector.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    assert request.status is RequestStatus.RUNNING and out.num_scheduled_tokens["d-1"] == N
+    assert not out.kv_connector_metadata.reads

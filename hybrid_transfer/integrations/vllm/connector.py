@@ -80,8 +80,7 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if role is KVConnectorRole.SCHEDULER:
             model = model_of(vllm_config)
             groups = kv_cache_config.kv_cache_groups
-            group_map = GroupMap.build(build_tensor_map(model), [g.layer_names for g in groups],
-                                       kv_cache_config.transfer_group_ids)
+            group_map = GroupMap.build(build_tensor_map(model), kv_cache_config)
             block_size = next(groups[g].kv_cache_spec.block_size for g, attn in
                               zip(kv_cache_config.transfer_group_ids, _attention_flags(kv_cache_config), strict=True)
                               if attn)
@@ -174,6 +173,11 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         return REQUIRED_LAYOUT
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        """No: NIXL holds registrations of the memory wrapped at register_kv_caches; a remap would strand them."""
+        return False
 
 
 def _attention_flags(kv_cache_config: KVCacheConfig) -> list[bool]:

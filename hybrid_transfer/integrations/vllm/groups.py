@@ -1,9 +1,8 @@
-"""vLLM's cache groups and single backing allocation, mapped onto our groups and shared slots.
+"""vLLM's cache groups, as the engine-spec structs describe them, and their order mapped onto ours.
 
-vLLM orders groups its own way (for Qwen3-Next the GDN groups come first) and puts every layer
-in one int8 allocation (``KVCacheTensor``: layer ``l`` of a tensor at ``offset + l * layer_stride``).
-Ours: attention groups first, and slot ``j`` holds layer ``j`` of every group. This module checks
-that the two agree layer by layer and translates block-id tuples between the two orders.
+vLLM orders groups its own way (for Qwen3-Next the GDN groups come first) and block-id tuples
+follow that order, one list per group (transfer or not). Ours put attention groups first;
+``engine_group_order`` (layout/engine_spec.py) matches the two by layer sets.
 """
 
 from __future__ import annotations
@@ -12,7 +11,10 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
+
 from hybrid_transfer.errors import UnsupportedError
+from hybrid_transfer.layout.engine_spec import EngineGroup, engine_group_order, to_our_group_order
 from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.layout.tensor_map import TensorMap
 
@@ -27,42 +29,49 @@ def layer_index(layer_name: str) -> int:
     return int(match.group(1))
 
 
+def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[EngineGroup, ...]:
+    """vLLM's transfer groups, in vLLM's order.
+
+    Raises:
+        UnsupportedError: a group that is neither full attention nor GDN state (sliding window, MLA...).
+    """
+    groups = []
+    for gid in kv_cache_config.transfer_group_ids:
+        group = kv_cache_config.kv_cache_groups[gid]
+        spec = group.kv_cache_spec
+        if isinstance(spec, FullAttentionSpec):
+            kind = LayerKind.ATTENTION
+        elif isinstance(spec, MambaSpec):
+            kind = LayerKind.GDN
+        else:
+            raise UnsupportedError(f"cache group {gid} has spec {type(spec).__name__}: only full attention and "
+                                   "GDN state groups are supported (no sliding window, MLA or others)")
+        groups.append(EngineGroup(kind=kind, layers=tuple(layer_index(n) for n in group.layer_names)))
+    return tuple(groups)
+
+
 @dataclass(frozen=True)
 class GroupMap:
-    """Our group ``i`` is vLLM transfer group ``ours_to_vllm[i]`` (an index into the transfer groups).
+    """Translates vLLM's per-group block-id tuples (all of vLLM's groups) into ours.
 
-    ``num_vllm_groups``: all of vLLM's groups (block-id tuples from the scheduler have one list each);
-    ``transfer_ids``: which of them take part in transfers, in vLLM order.
+    ``order[i]``: the index, among vLLM's transfer groups, of our group i.
     """
 
-    ours_to_vllm: tuple[int, ...]
+    order: tuple[int, ...]
     transfer_ids: tuple[int, ...]
     num_vllm_groups: int
     attention_mask: tuple[bool, ...]  # per our group: attention (True) or state
 
     @classmethod
-    def build(cls, tensor_map: TensorMap, group_layer_names: Sequence[Sequence[str]],
-              transfer_ids: Sequence[int]) -> GroupMap:
-        """Match vLLM's transfer groups (layer names, vLLM order) to ours by their layer sets.
-
-        Raises:
-            UnsupportedError: a vLLM group with no counterpart (the message names its layers).
-        """
-        transfer_ids = tuple(transfer_ids)
-        vllm_sets = [frozenset(layer_index(n) for n in group_layer_names[g]) for g in transfer_ids]
-        ours = [frozenset(g.layers) for g in tensor_map.groups]
-        if sorted(map(sorted, vllm_sets)) != sorted(map(sorted, ours)):
-            raise UnsupportedError(
-                f"vLLM's cache groups {[sorted(s) for s in vllm_sets]} do not match this model's "
-                f"groups {[sorted(s) for s in ours]} (layer indices)")
-        ours_to_vllm = tuple(vllm_sets.index(s) for s in ours)
+    def build(cls, tensor_map: TensorMap, kv_cache_config: KVCacheConfig) -> GroupMap:
+        """Raises ConfigError (``field="groups"``) when vLLM's groups are not ours in some order."""
+        order = engine_group_order(tensor_map, engine_groups(kv_cache_config))
         mask = tuple(g.kind is LayerKind.ATTENTION for g in tensor_map.groups)
-        return cls(ours_to_vllm, transfer_ids, len(group_layer_names), mask)
+        return cls(order, tuple(kv_cache_config.transfer_group_ids), len(kv_cache_config.kv_cache_groups), mask)
 
     def to_ours(self, vllm_block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
         """Block ids per vLLM group (all groups, vLLM order) -> per our group."""
         if len(vllm_block_ids) != self.num_vllm_groups:
             raise UnsupportedError(f"expected block ids for {self.num_vllm_groups} vLLM groups, "
                                    f"got {len(vllm_block_ids)}")
-        transfer = [vllm_block_ids[g] for g in self.transfer_ids]
-        return tuple(tuple(int(b) for b in transfer[i]) for i in self.ours_to_vllm)
+        return to_our_group_order([vllm_block_ids[g] for g in self.transfer_ids], self.order)

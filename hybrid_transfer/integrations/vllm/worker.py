@@ -95,6 +95,7 @@ class WorkerSide:
             log.error("hybrid-transfer: read of %s refused before any byte moved: %s", rid, exc)
             self._finished_recving.add(rid)
             self._failed_recving.add(rid)
+            self._decline(rid, order.ticket)  # the producer frees now, not at lease expiry
             return
         self._reads[key] = (rid, order)
 
@@ -125,8 +126,13 @@ class WorkerSide:
                 self._finished_recving.add(rid)
                 if result.state is ReadState.DONE:
                     self._zero_tail(order)
+                elif result.state is ReadState.ABORTED:
+                    # An abort that came before the producer link was ready told no producer rank:
+                    # a decline does, once linked (a rank that already heard counts it as a duplicate).
+                    self._decline(rid, order.ticket)
                 elif result.state is ReadState.FAILED:
                     log.warning("hybrid-transfer: read of %s failed (%s): vLLM recomputes it", rid, result.error)
+                    self._zero_attention_blocks(order)
                     self._failed_recving.add(rid)
         recving, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
@@ -156,6 +162,21 @@ class WorkerSide:
                 view[base, :, within:].zero_()
                 if first_kernel + 1 < ratio:
                     view[base + 1: block * ratio + ratio].zero_()
+
+    def _zero_attention_blocks(self, order: ReadOrder) -> None:
+        """A failed read may have filled part of its blocks, and vLLM skipped zeroing them: zero them whole.
+
+        Safe here: a failed request is reported only once no NIXL handle can write its blocks.
+        vLLM's recompute then rewrites the prompt's tokens over zeros, not over stale bytes.
+        """
+        g = self.engine.cache.geometry
+        ratio = g.kernel_ratio
+        for group_index, is_attention in enumerate(self.engine.group_map.attention_mask):
+            if not is_attention:
+                continue
+            for block in order.local_block_ids[group_index]:
+                for layer in g.tensor_map.groups[group_index].layers:
+                    self.engine.attention_views[layer][block * ratio: (block + 1) * ratio].zero_()
 
     def close(self) -> None:
         for engine in (self._consumer, self.producer):

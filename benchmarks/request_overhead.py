@@ -1,0 +1,235 @@
+"""The consumer's own Python work per direct-path request, with NIXL's calls timed apart.
+
+One spawned process per producer rank and one for the measured consumer (decode rank 0), loopback,
+default EngineConfig (coalesced plans, DIRECT descriptors). Inside the consumer, every call into the
+NIXL agent (descriptor lists, initialize_xfer, transfer, check_xfer_state, release, notifications) is
+timed by a wrapper; the consumer's Python work is the rest:
+
+  start_read   the call (plan, validation, post), and of it: NIXL, the planner
+  done poll    the poll() that reported the request DONE (check, release, notify), and of it: NIXL
+  polls        every poll() between post and DONE (their count, their Python work summed)
+  python       start_read + every poll of the request, minus NIXL: the per-request CPU cost the engine
+               itself adds (issue 13's target: well under 0.3 ms)
+
+Each repetition holds the same blocks under a new request id, reads them, and waits for the free.
+Medians over --reps (a first read per layout warms up).
+
+Run: python benchmarks/request_overhead.py [--case p1d1|p2d8|small|all] [--device cpu|cuda] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+
+CASES = {
+    "small": {"preset": "qwen3.5-0.8b", "prefill_tp": 1, "decode_tp": 1, "tokens": 2048},
+    "p1d1": {"preset": "qwen3.5-397b-a17b", "prefill_tp": 1, "decode_tp": 1, "tokens": 8192},
+    "p2d8": {"preset": "qwen3.5-397b-a17b", "prefill_tp": 2, "decode_tp": 8, "tokens": 8192},
+}
+_NIXL_CALLS = ("get_xfer_descs", "initialize_xfer", "transfer", "check_xfer_state", "release_xfer_handle",
+               "prep_xfer_dlist", "make_prepped_xfer", "release_dlist_handle", "send_notif", "get_new_notifs")
+
+
+class _Timed:
+    """Stands in for a nixl_agent: the calls above are timed into ``spent`` (seconds), the rest passed through."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.spent = 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if name not in _NIXL_CALLS:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                self.spent += time.perf_counter() - t0
+
+        return timed
+
+
+def _geometry(preset: str, tp_size: int, tp_rank: int):
+    from hybrid_transfer import RankGeometry, load_preset
+
+    return RankGeometry(load_preset(preset), tp_size, tp_rank)
+
+
+def _blocks_for(geometry, tokens: int) -> int:
+    return sum(geometry.num_blocks_for_tokens(tokens) if g.kind.name == "ATTENTION" else 1
+               for g in geometry.tensor_map.groups)
+
+
+def _device(name: str):
+    import torch
+
+    return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
+
+
+def _producer(conn, preset, tp_size, rank, num_blocks, device) -> None:
+    from hybrid_transfer import HybridCache, Producer
+
+    producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks, _device(device)),
+                        engine_id="overhead", incarnation=1)
+    conn.send(producer.address)
+    if tp_size > 1:
+        producer.set_engine_addresses(conn.recv())
+    while True:
+        if conn.poll(0):
+            command = conn.recv()
+            if command is None:
+                break
+            request_id, block_ids, tokens, nonce = command
+            conn.send(producer.hold(request_id, block_ids, tokens, nonce=nonce))
+        producer.poll()
+        time.sleep(0.0001)
+    producer.close()
+
+
+def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile) -> None:
+    import cProfile
+    import pstats
+
+    from hybrid_transfer import Consumer, HybridCache
+    from hybrid_transfer.verify import make_request
+
+    geometry = _geometry(preset, decode_tp, 0)
+    consumer = Consumer(HybridCache.allocate(geometry, num_blocks, _device(device)))
+    timed = _Timed(consumer.agent._agent)
+    consumer.agent._agent = timed
+    plan_s = [0.0]
+    plan = consumer._plan
+
+    def timed_plan(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return plan(*args, **kwargs)
+        finally:
+            plan_s[0] += time.perf_counter() - t0
+
+    consumer._plan = timed_plan
+    consumer.connect(conn.recv())
+    profiler = cProfile.Profile() if profile else None
+    rows = []
+    for frag in (0.0, 1.0):
+        local = make_request(geometry, tokens, num_blocks, rng=7, fragmentation=frag)
+        samples = []
+        for i in range(reps + 1):
+            ticket = conn.recv()
+            timed.spent, plan_s[0] = 0.0, 0.0
+            if profiler is not None and i:
+                profiler.enable()
+            t0 = time.perf_counter()
+            consumer.start_read(ticket, local.block_ids, expected_state_position=tokens)
+            start_s, start_nixl, start_plan = time.perf_counter() - t0, timed.spent, plan_s[0]
+            polls, poll_py, results = 0, 0.0, []
+            while not results:
+                timed.spent = 0.0
+                p0 = time.perf_counter()
+                results = consumer.poll()
+                p_s = time.perf_counter() - p0
+                polls += 1
+                poll_py += p_s - timed.spent
+            if profiler is not None:
+                profiler.disable()
+            if not results[0].ok:
+                raise RuntimeError(f"read failed: {results[0].error}")
+            if i:  # the first read of each layout warms up
+                samples.append({"start_ms": 1e3 * start_s, "start_nixl_ms": 1e3 * start_nixl,
+                                "plan_ms": 1e3 * start_plan, "done_poll_ms": 1e3 * p_s,
+                                "done_poll_nixl_ms": 1e3 * timed.spent, "polls": polls,
+                                "python_ms": 1e3 * (start_s - start_nixl + poll_py)})
+            conn.send("next")
+        row = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        rows.append({"fragmentation": frag, "descriptors": results[0].num_descriptors, "bytes": results[0].num_bytes,
+                     **row, "python_ms_max": max(s["python_ms"] for s in samples)})
+    if profiler is not None:  # on stderr: where the Python work goes (profiling slows it down)
+        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    conn.send(rows)
+    consumer.close()
+
+
+def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
+    c = CASES[case]
+    preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
+    p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
+    p_blocks, d_blocks = 2 * _blocks_for(p_geo, tokens) + 2, 2 * _blocks_for(d_geo, tokens) + 2
+    ctx = mp.get_context("spawn")
+    producers = []
+    for rank in range(p_tp):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_producer, args=(child, preset, p_tp, rank, p_blocks, device), daemon=True)
+        proc.start()
+        producers.append((proc, parent))
+    addresses = [conn.recv() for _, conn in producers]
+    if p_tp > 1:
+        for _, conn in producers:
+            conn.send(addresses)
+    c_parent, c_child = ctx.Pipe()
+    consumer = ctx.Process(target=_consumer, args=(c_child, preset, d_tp, d_blocks, tokens, reps, device, profile),
+                           daemon=True)
+    consumer.start()
+    c_parent.send(addresses[0])
+
+    def answer(conn, proc):  # a rank that died must not leave this process waiting forever
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
+        return conn.recv()
+
+    from hybrid_transfer.verify import make_request
+
+    n = 0
+    for frag in (0.0, 1.0):
+        remote = make_request(p_geo, tokens, p_blocks, rng=3, fragmentation=frag)
+        for _ in range(reps + 1):
+            n += 1
+            producers[0][1].send((f"req-{n}", remote.block_ids, tokens, None))
+            ticket = answer(producers[0][1], producers[0][0])
+            for proc, conn in producers[1:]:
+                conn.send((f"req-{n}", remote.block_ids, tokens, ticket.nonce))
+                answer(conn, proc)
+            c_parent.send(ticket)
+            answer(c_parent, consumer)
+    rows = answer(c_parent, consumer)
+    consumer.join()
+    for proc, conn in producers:
+        conn.send(None)
+        proc.join()
+    return [{"case": case, "device": device, "preset": preset, "prefill_tp": p_tp, "decode_tp": d_tp,
+             "tokens": tokens, **r} for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--case", choices=[*CASES, "all"], default="all")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (tottime) on stderr")
+    args = parser.parse_args()
+    if args.device == "cuda":
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    rows = [r for case in (CASES if args.case == "all" else [args.case]) for r in run(case, args.reps, args.device, args.profile)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print(f"{'case':>5} {'dev':>4} {'frag':>4} {'descs':>5} {'start ms':>8} {'nixl':>6} {'plan':>6} {'done poll':>9} "
+          f"{'nixl':>6} {'polls':>5} {'python ms':>9} {'max':>6}")
+    for r in rows:
+        print(f"{r['case']:>5} {r['device']:>4} {r['fragmentation']:>4.1f} {r['descriptors']:>5} {r['start_ms']:>8.3f} "
+              f"{r['start_nixl_ms']:>6.3f} {r['plan_ms']:>6.3f} {r['done_poll_ms']:>9.3f} "
+              f"{r['done_poll_nixl_ms']:>6.3f} {r['polls']:>5.0f} {r['python_ms']:>9.3f} {r['python_ms_max']:>6.3f}")
+
+
+if __name__ == "__main__":
+    main()
