@@ -31,7 +31,7 @@ from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.inbox import Inbox
-from hybrid_transfer.engine.pack_reader import PackReader
+from hybrid_transfer.engine.pack.reader import PackReader
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
 from hybrid_transfer.engine.revocations import Tombstones
@@ -133,7 +133,7 @@ class Consumer:
             self._digest = self.fingerprint.digest()
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
                                 clock, self.config.handshake_timeout_s)
-            # Pack mode (staging reads, engine/pack_reader.py) and every request's timings.
+            # Pack mode (staging reads, engine/pack/reader.py) and every request's timings.
             self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
         except BaseException:
             self.close()
@@ -425,17 +425,11 @@ class Consumer:
         req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
         self._pack.on_post(req, now)
         for src in plan.sources:
-            if self._pack.takes(req, src, link):  # pack / auto: through the source's staging
-                continue
-            try:
-                handle = self.agent.post_read(link.agents[src.source_rank], src.local_descs(), src.remote_descs())
+            try:  # direct, or through the source's staging as the plan says (engine/pack/reader.py)
+                self.stats.reads_posted += self._pack.post(req, src, link)
             except EngineError as exc:
                 self._on_post_error(req, link.agents[src.source_rank], exc, now)
                 return
-            req.handles.append(handle)
-            req.num_bytes += handle.num_bytes
-            req.num_descriptors += handle.num_descriptors
-            self.stats.reads_posted += 1
 
     def _on_post_error(self, req: ReadRequest, peer: str, exc: HybridTransferError, now: float) -> None:
         if isinstance(exc, PeerDisconnectedError):

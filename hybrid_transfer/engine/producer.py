@@ -31,9 +31,9 @@ from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.log_gate import LogGate
+from hybrid_transfer.engine.pack.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
-from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.state import Hold, HoldState
 from hybrid_transfer.engine.tickets import RankCard
 from hybrid_transfer.errors import (
@@ -112,7 +112,7 @@ class Producer:
                                device_memory=cache.device.type == "cuda")
         self._closed = False
         self._server: HandshakeServer | None = None
-        self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)
+        self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (pack/stager.py)
         try:
             self.agent.register(cache.regions)
             self.descriptor = describe_cache(cache)

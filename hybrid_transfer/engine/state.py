@@ -136,7 +136,7 @@ class ReadResult:
     finished_at: float
     error: BaseException | None = None
     cause: FailureCause | None = None  # FAILED only
-    # Timings (engine/pack_reader.py); the transfer time is finished_at - posted_at, scatter included.
+    # Timings (engine/pack/reader.py); the transfer time is finished_at - posted_at, scatter included.
     posted_at: float = 0.0  # first READ (or staging query) posted; 0.0 when nothing was posted
     gather_s: float = 0.0  # pack: the producers' gather (off this request's critical path), slowest source
     read_s: float = 0.0  # post until every READ was DONE (pack: the staging query's round trip included)

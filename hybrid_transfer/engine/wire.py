@@ -348,7 +348,7 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} long)"
 
 
-# ---- pack mode (issue 6): where a producer rank staged a request (engine/stager.py) ---------------
+# ---- pack mode (issue 6): where a producer rank staged a request (engine/pack/stager.py) ---------------
 # Asked and answered over the side channel, not NIXL notifications: the answer comes from the
 # listener thread at once instead of at the producer owner's next poll(), which would put an
 # engine step on the consumer's critical path. The listener reads an immutable directory only.

@@ -10,10 +10,10 @@ from harness import TINY
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import Consumer, EngineConfig
 from hybrid_transfer.engine.agent import NixlAgent
-from hybrid_transfer.engine.calibrate import calibrate, cost_model
 from hybrid_transfer.engine.config import CostParams
-from hybrid_transfer.engine.gather_scatter import Arena, Copier
-from hybrid_transfer.engine.staging import StagingPool
+from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model
+from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier
+from hybrid_transfer.engine.pack.staging import StagingPool
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import RankGeometry, model_from_config
 from hybrid_transfer.plan.types import PlanMode

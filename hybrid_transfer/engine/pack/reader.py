@@ -1,19 +1,20 @@
-"""Pack mode on the consumer: per source, ask where the request is staged, read it, scatter it.
+"""Pack mode on the consumer: per source, a direct read or a staged one, as the plan says.
 
-The producer side and the protocol are in stager.py. Here, per (request, source) whose coalesced
-rows go through staging (every source in pack mode; in auto mode those the cost model prefers):
+The plan (plan/planner.py) decides per source: a SourcePlan is read directly, a PackSourcePlan
+through the source's staging (its read ranges and scatter pieces are the plan's; nothing is
+mapped here). The producer side and the protocol are in stager.py. A staged source's steps
+(steps.py, changed only through ``step_to``):
 
-  QUERYING    a StagingQuery went to the source rank's side channel; while it travels the rows
-              are mapped onto the source's canonical layout (plan/stage_layout.py)
-  READING     READY came back: a slice of this rank's pool is taken and one READ of at most two
-              ranges is posted into it
+  QUERYING    a StagingQuery went to the source rank's side channel
+  READING     READY came back: a slice of this rank's pool is taken and one READ of the plan's
+              ranges (at most two) is posted into it
   SCATTERING  the READ is DONE: one index kernel copies the slice into the local blocks
   DONE        the scatter has finished (CUDA: its event completed)
-  DIRECT      fallback: the source's coalesced rows went out as one direct READ, because the
-              source staged nothing (ABSENT: its pool was full), does not stage at all (an
-              ErrorReply: a producer not in pack or auto mode), this rank's pool had no room
-              (fallback, never a wait: see config.py), or the source's staged size or layout
-              disagreed with ours (a bug, logged as a warning)
+  DIRECT      fallback: the plan's direct rows went out as one READ, because the source staged
+              nothing (ABSENT: its pool was full), does not stage at all (an ErrorReply: a
+              producer not in pack or auto mode), this rank's pool had no room (fallback, never a
+              wait: see config.py), or the source's staged size disagreed with the plan's (a bug,
+              logged as a warning)
 
 Every fallback is counted (PackStats, ReadResult.num_fallback_sources). A producer rank that does
 not stage is named once in the log (a warning) and in every ReadResult it serves
@@ -27,7 +28,6 @@ timings every request reports (post, READs done, gather and scatter times).
 from __future__ import annotations
 
 import collections
-import enum
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,25 +38,18 @@ import numpy as np
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent, XferHandle
-from hybrid_transfer.engine.calibrate import calibrate, cost_model
 from hybrid_transfer.engine.config import CostParams, EngineConfig
-from hybrid_transfer.engine.gather_scatter import Arena, Copier, CopyTicket
+from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model
+from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, CopyTicket
+from hybrid_transfer.engine.pack.stager import STAGING_MODES
+from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
+from hybrid_transfer.engine.pack.steps import SETTLED, SourceStep, step_to
 from hybrid_transfer.engine.side_channel import HandshakeClient
-from hybrid_transfer.engine.stager import STAGING_MODES
-from hybrid_transfer.engine.staging import StagingPool, StagingSlice
 from hybrid_transfer.engine.state import ReadState, XferState
 from hybrid_transfer.errors import EngineError, HybridTransferError, WireDecodeError
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
 
 log = logging.getLogger(__name__)
-
-
-class SourceStep(enum.Enum):
-    QUERYING = "querying"
-    READING = "reading"
-    SCATTERING = "scattering"
-    DONE = "done"
-    DIRECT = "direct"
 
 
 @dataclass
@@ -135,19 +128,28 @@ class PackReader:
     def on_post(self, req: Any, now: float) -> None:
         self._tracks[req.request_id] = _Track(req, now)
 
-    def takes(self, req: Any, src: Any, link: Any) -> bool:
-        """Take ``src`` through staging (True: the planner packed it) or leave it to the consumer's direct READ."""
+    def post(self, req: Any, src: Any, link: Any) -> bool:
+        """Start one source's read: the per-source choice between a direct and a staged read.
+
+        The planner made it (a PackSourcePlan is staged, a SourcePlan direct); True when a direct READ
+        went out now. Raises EngineError when NIXL refused a direct READ (nothing was added).
+        """
         if not self.enabled or not isinstance(src, PackSourcePlan) or src.num_descriptors == 0:
-            return False
+            _add_handle(req, self._agent.post_read(link.agents[src.source_rank], src.local_descs(),
+                                                   src.remote_descs()))
+            return True
+        self._start_staged(req, src, link)
+        return False
+
+    def _start_staged(self, req: Any, src: PackSourcePlan, link: Any) -> None:
         source = _Source(src, req.ticket.addresses[src.source_rank], link.agents[src.source_rank])
         track = self._tracks[req.request_id]
         track.sources[src.source_rank] = source
         if (req.ticket.engine_key, src.source_rank) in self._unstaged:  # said so once already: no query
             track.unstaged.append(src.source_rank)
             self._fallback(track, source, "fallback_unstaged")
-            return True
+            return
         self._ask(req, source)
-        return True
 
     def _ask(self, req: Any, source: _Source) -> None:
         t = req.ticket
@@ -239,14 +241,14 @@ class PackReader:
         log.debug("request %r source %d: %d ranges, query %.3f ms, post %.3f ms", t.request_id,
                   source.plan.source_rank, n, 1e3 * (source.answered_at - source.asked_at),
                   1e3 * (source.read_posted_at - source.answered_at))
-        source.step = SourceStep.READING
+        step_to(source, SourceStep.READING, t.request_id)
         self.stats.packed_sources += 1
         _add_handle(track.req, handle)
 
     def _fallback(self, track: _Track, source: _Source, counter: str) -> None:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
         track.fallbacks += 1
-        source.step = SourceStep.DIRECT
+        step_to(source, SourceStep.DIRECT, track.req.request_id)
         try:
             direct = source.plan.direct
             handle = self._agent.post_read(source.peer, direct.local_descs(), direct.remote_descs())
@@ -276,16 +278,16 @@ class PackReader:
                 except HybridTransferError as exc:
                     track.error = exc
                     return exc
-                source.step = SourceStep.SCATTERING
+                step_to(source, SourceStep.SCATTERING, req.request_id)
             if source.step is SourceStep.SCATTERING and source.copy.is_done:
                 track.scatter_s += source.copy.elapsed_s
-                source.step = SourceStep.DONE
+                step_to(source, SourceStep.DONE, req.request_id)
         return None
 
     def is_settled(self, req: Any) -> bool:
         """True when every staged source's bytes sit in their final place (direct ones are the consumer's)."""
         track = self._tracks.get(req.request_id)
-        return track is None or all(s.step in (SourceStep.DONE, SourceStep.DIRECT) for s in track.sources.values())
+        return track is None or all(s.step in SETTLED for s in track.sources.values())
 
     def result_fields(self, request_id: str) -> dict:
         """ReadResult's timing and pack fields of a request (zeros when it was never posted)."""

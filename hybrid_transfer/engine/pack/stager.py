@@ -33,8 +33,8 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
-from hybrid_transfer.engine.gather_scatter import Arena, Copier, CopyTicket
-from hybrid_transfer.engine.staging import StagingPool, StagingSlice
+from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, CopyTicket
+from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
 from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.plan.stage_layout import stage_layout
 from hybrid_transfer.plan.types import PlanMode
