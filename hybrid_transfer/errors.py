@@ -290,6 +290,20 @@ class TicketRevokedError(HybridTransferError):
         self.agent = agent
 
 
+class TicketClaimError(HybridTransferError):
+    """A producer rank refused this consumer rank's claim on a ticket (replayed, ended, revoked or edited).
+
+    The request is FAILED: what its READs brought is never reported as the request's bytes.
+    """
+
+    def __init__(self, *, request_id: str, nonce: int, status: str, agent: str):
+        super().__init__(f"request {request_id!r}: the producer agent {agent!r} refused the claim: {status}")
+        self.request_id = request_id
+        self.nonce = nonce
+        self.status = status
+        self.agent = agent
+
+
 class RequestAbortedError(HybridTransferError):
     """The embedder aborted the request on this side (``state``: where it was when aborted)."""
 

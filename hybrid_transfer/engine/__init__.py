@@ -12,6 +12,8 @@ by the engine's scheduler), ticket_params (a ticket as JSON-safe request paramet
 (completions that arrive before their hold).
 Bounds and input checks: pending (handshakes awaiting a Hello), inputs (hold/start_read arguments),
 inbox (a bounded amount of notifications per poll), log_gate (repeated warnings aggregated).
+Trust (issue 14): auth (shared secret, challenge-response, link keys, sealed notifications),
+peer_record (one record per peer agent, one stage), claims (single-use tickets confirmed before DONE).
 The doctor (`hybrid-transfer doctor`) lives in hybrid_transfer.doctor and reaches NIXL through agent.
 """
 

@@ -144,6 +144,13 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         next poll (engine/inbox.py), so a flood cannot stall the owner's loop.
     notification_backlog_bytes: notifications carried over to later polls, at most; what arrives beyond
         it is dropped and counted (at least MAX_MESSAGE_BYTES, so any message of ours fits).
+    secret_file: a file holding the shared secret that authenticates handshakes and notifications
+        (engine/auth.py, docs/security.md); None: the ``HYBRID_TRANSFER_SECRET`` environment variable,
+        and without either nothing is authenticated (one warning at start). The path is a setting, the
+        secret never is: it is read at start and never logged.
+    side_channel_curve: encrypt the side channel (handshakes, pack-mode staging queries) with ZeroMQ
+        CURVE, the server key derived from the shared secret, which it therefore needs; every rank of
+        both engines must agree. Cache bytes over NIXL stay unencrypted (docs/security.md).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -168,6 +175,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     pending_handshake_s: float = 60.0
     notifications_per_poll: int = 1024
     notification_backlog_bytes: int = 64 << 20
+    secret_file: str | None = None
+    side_channel_curve: bool = False
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -196,6 +205,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not _is_int(self.notification_backlog_bytes) or self.notification_backlog_bytes < MAX_MESSAGE_BYTES:
             _bad("notification_backlog_bytes", self.notification_backlog_bytes,
                  f"must be an integer of at least {MAX_MESSAGE_BYTES} (one message of the largest size)")
+        if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
+            _bad("secret_file", self.secret_file, "must be a non-empty path or None")
+        if not isinstance(self.side_channel_curve, bool):
+            _bad("side_channel_curve", self.side_channel_curve, "must be true or false")
         if self.num_backend_threads is not None and (
                 not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0):
             _bad("num_backend_threads", self.num_backend_threads, "must be None or a non-negative integer")

@@ -13,6 +13,11 @@ acknowledged at once. Heartbeats renew the leases of waiting and reading request
 aborted request's blocks go to the quarantine (quarantine.py) and the request is reported only
 once no handle and no unfinished engine step can write them; its producer ranks are told at
 once, so they free early. NIXL reporting a producer agent disconnected fails its requests.
+
+With a shared secret (issue 14, engine/auth.py) every notification both ways is sealed under the
+link key agreed at the handshake; one from a producer agent that fails the check is counted in
+``rejections`` and dropped. What this rank knows of each producer agent is one record
+(peer_record.py) in ``Peers.records``.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.pack.reader import PackReader
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.engine.quarantine import Quarantine
 from hybrid_transfer.engine.revocations import Tombstones
@@ -58,6 +64,7 @@ from hybrid_transfer.errors import (
     RequestStateError,
     SourceLostError,
     StatePositionError,
+    TicketClaimError,
     TicketError,
     TicketRevokedError,
     UnsupportedError,
@@ -91,6 +98,10 @@ class ConsumerStats:
     declines_sent: int = 0  # tickets declined: their producer ranks were told (ABORTED completions)
     declines_dropped: int = 0  # declines whose engine could not be linked in time (its lease frees them)
     notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
+    rejected: int = 0  # notifications that failed authentication (by cause: Consumer.rejections)
+    claims_sent: int = 0  # one per source agent per request read (claims.py)
+    claims_confirmed: int = 0
+    claims_refused: int = 0  # ... each fails its request (ticket_replayed, ticket_edited or revoked)
 
 
 @dataclass
@@ -131,10 +142,13 @@ class Consumer:
             self.descriptor = describe_cache(cache)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
+            self._secret = auth.load_secret(self.config.secret_file)
+            auth.warn_if_open(self._secret, f"consumer {self.agent.name}")
+            curve = auth.side_channel_curve(self.config.side_channel_curve, self._secret)
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
-                                clock, self.config.handshake_timeout_s)
+                                clock, self.config.handshake_timeout_s, self._secret, curve=curve)
             # Pack mode (staging reads, engine/pack/reader.py) and every request's timings.
-            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
+            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock, curve=curve)
         except BaseException:
             self.close()
             raise
@@ -146,9 +160,8 @@ class Consumer:
         self._quarantine = Quarantine(self.fences)
         self._owners: dict[int, str] = {}  # local block id -> the not yet reported request that owns it
         self._tombstones = Tombstones()
-        self._greeted: set[str] = set()  # producer agents sent a Hello
-        self._welcomed: set[str] = set()  # ... whose Welcome arrived: READs from them may start
-        self._lost: dict[str, BaseException] = {}  # producer agents NIXL reports disconnected
+        self._records = self._peers.records  # producer agent -> its one record (stage, link, error when GONE)
+        self.rejections = auth.RejectionLog(f"consumer {self.agent.name}")  # .counts: cause -> dropped
         self._next_heartbeat_at = clock()
         # At most notifications_per_poll handled per poll (inbox.py). A Revoke may wait in the backlog, so
         # no READ is judged DONE while one is left (see _advance).
@@ -245,6 +258,12 @@ class Consumer:
                 self._owners[b] = rid
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
+        elif not claims.mac_ok(ticket, self._secret):  # edited, or not signed under our secret: read nothing
+            req.disowned = True
+            self.stats.claims_refused += 1
+            self._end(req, TicketClaimError(request_id=rid, nonce=ticket.nonce, status="edited (its MAC does not "
+                                            "match its fields)", agent="(checked locally)"), now,
+                      FailureCause.TICKET_EDITED)
         elif plan is not None and self._greet(link) and self._lost_agent(link) is None:
             self._post(req, plan, now)
 
@@ -370,8 +389,8 @@ class Consumer:
             if link.state is LinkState.READY:
                 lost = self._lost_agent(link)
                 if lost is not None:
-                    self._end(req, SourceLostError(request_id=req.request_id, agent=lost, detail=str(self._lost[lost])),
-                              now, FailureCause.SOURCE_LOST)
+                    self._end(req, SourceLostError(request_id=req.request_id, agent=lost,
+                                                   detail=str(self._records[lost].error)), now, FailureCause.SOURCE_LOST)
                 elif self._greet(link):
                     try:
                         plan = self._plan(req)
@@ -393,7 +412,8 @@ class Consumer:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
-            elif all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox):
+            elif (all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox)
+                  and not req.awaiting_claims):
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -403,7 +423,7 @@ class Consumer:
         for h in bad:
             if isinstance(h.error, PeerDisconnectedError):
                 self._lose(h.peer, h.error)
-        gone = next((h for h in bad if h.peer in self._lost), None)
+        gone = next((h for h in bad if self._is_lost(h.peer)), None)
         if gone is not None:
             self._end(req, SourceLostError(request_id=req.request_id, agent=gone.peer, detail=str(gone.error)), now,
                       FailureCause.SOURCE_LOST)
@@ -430,6 +450,17 @@ class Consumer:
             except EngineError as exc:
                 self._on_post_error(req, link.agents[src.source_rank], exc, now)
                 return
+        self._claim(req, [link.agents[src.source_rank] for src in plan.sources])
+
+    def _claim(self, req: ReadRequest, agents: Sequence[str]) -> None:
+        """Claim the ticket at every source agent, with the READs (claims.py): DONE waits for their confirmations."""
+        t = req.ticket
+        message = wire.encode(wire.Claim(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
+                                         digest=claims.digest_of(t)), self._digest)
+        for agent in dict.fromkeys(agents):
+            req.awaiting_claims.add(agent)
+            if self._send(agent, message):
+                self.stats.claims_sent += 1
 
     def _on_post_error(self, req: ReadRequest, peer: str, exc: HybridTransferError, now: float) -> None:
         if isinstance(exc, PeerDisconnectedError):
@@ -502,6 +533,8 @@ class Consumer:
     def _tell_producers(self, req: ReadRequest, kind: wire.CompletionKind) -> None:
         """Tell every producer rank the request depends on that this rank is finished with it (DESIGN 3)."""
         link = req.link.resolve()
+        if req.disowned:
+            return  # a producer refused our claim: this rank has no standing to report on the ticket
         if link.state is not LinkState.READY:
             return  # no producer rank knows this agent yet: their leases free the blocks
         notify = req.notify or tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify)
@@ -512,7 +545,7 @@ class Consumer:
         """One Completion of ``kind`` to each (producer rank, expected consumers) of ``notify``."""
         for source_rank, expected in notify:
             peer = link.agents.get(source_rank)
-            if peer is None or peer in self._lost:
+            if peer is None or self._is_lost(peer):
                 continue
             message = wire.encode(wire.Completion(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
                                                   expected_consumers=expected, kind=kind), self._digest)
@@ -523,7 +556,12 @@ class Consumer:
 
     # ---- notifications to and from producer agents ---------------------------------------
     def _send(self, peer: str, message: bytes) -> bool:
-        """One notification; False when it failed (a disconnected agent is then marked lost)."""
+        """One notification, sealed under the peer's link when a secret is set; False when it failed (a
+        disconnected agent is then marked lost)."""
+        record = self._records.get(peer)
+        if record is not None and record.link is not None:
+            counter, mac = record.link.seal(message)
+            message = wire.encode(wire.Sealed(counter=counter, mac=mac, message=message), self._digest)
         try:
             self.agent.send_notif(peer, message)
             return True
@@ -537,12 +575,13 @@ class Consumer:
         """Say Hello once to each producer agent of a ready link; True once every one has welcomed us."""
         welcomed = True
         for agent in link.agents.values():
-            if agent not in self._greeted and agent not in self._lost:
-                self._greeted.add(agent)
+            record = self._records[agent]
+            if record.stage is PeerStage.HANDSHAKEN:
+                advance(record, PeerStage.GREETED, self._clock())
                 if self._send(agent, wire.encode(wire.Hello(consumer_rank=self.tp_rank,
                                                             agent_metadata=self._metadata), self._digest)):
                     self.stats.hellos_sent += 1
-            welcomed = welcomed and agent in self._welcomed
+            welcomed = welcomed and record.stage is PeerStage.WELCOMED
         return welcomed
 
     def _take_notifications(self) -> None:
@@ -552,12 +591,21 @@ class Consumer:
             self._on_notification(sender, message)
 
     def _on_notification(self, sender: str, message: bytes) -> None:
+        record = self._records.get(sender)
         try:
-            env, body = wire.decode(message)
+            env = wire.decode_envelope(message)
+            if env.fingerprint != self._digest or record is None or record.stage not in (
+                    PeerStage.GREETED, PeerStage.WELCOMED):
+                self.stats.unexpected_notifications += 1
+                return
+            if record.link is not None:
+                env = self._unseal(sender, env, record)
+                if env is None:
+                    return
+            elif env.kind is wire.Kind.SEALED:
+                raise WireDecodeError("a sealed notification, but this consumer has no secret")
+            body = wire.decode_body(env)
         except WireDecodeError:
-            self.stats.unexpected_notifications += 1
-            return
-        if env.fingerprint != self._digest or sender not in self._greeted:
             self.stats.unexpected_notifications += 1
             return
         now = self._clock()
@@ -565,13 +613,57 @@ class Consumer:
             self.stats.welcomes += 1
             for ref in body.revoked:
                 self._revoke(ref, sender, now + body.lease_s)
-            self._welcomed.add(sender)
+            if record.stage is PeerStage.GREETED:
+                advance(record, PeerStage.WELCOMED, now)
+        elif isinstance(body, wire.ClaimReply):
+            self._on_claim_reply(sender, body, now)
         elif isinstance(body, wire.Revoke):
             self.stats.revokes += 1
             self._revoke(body.request, sender, now + body.lease_s)
             self._send(sender, wire.encode(wire.RevokeAck(request=body.request), self._digest))
         else:
             self.stats.unexpected_notifications += 1
+
+    def _unseal(self, sender: str, env: wire.Envelope, record: PeerRecord) -> wire.Envelope | None:
+        """The inner envelope of a sealed notification that passes its link's check; None when rejected.
+
+        Raises:
+            WireDecodeError: a sealed message (or its inner envelope) that does not decode.
+        """
+        if env.kind is not wire.Kind.SEALED:
+            cause = "unsealed"
+        else:
+            sealed = wire.decode_body(env)
+            try:
+                record.link.check(sealed.counter, sealed.mac, sealed.message)
+            except auth.Rejected as exc:
+                cause = exc.cause
+            else:
+                inner = wire.decode_envelope(sealed.message)
+                if inner.fingerprint != self._digest or inner.kind is wire.Kind.SEALED:
+                    raise WireDecodeError("a sealed notification whose inner message is not ours")
+                return inner
+        self.stats.rejected += 1
+        self.rejections.add(cause, sender, self._clock())
+        return None
+
+    def _on_claim_reply(self, sender: str, body: wire.ClaimReply, now: float) -> None:
+        req = self._requests.get(body.request.request_id)
+        if req is None or req.ticket.nonce != body.request.nonce or sender not in req.awaiting_claims or (
+                body.consumer_rank != self.tp_rank):
+            self.stats.unexpected_notifications += 1
+            return
+        req.awaiting_claims.discard(sender)
+        if body.status is wire.ClaimStatus.CONFIRMED:
+            self.stats.claims_confirmed += 1
+            return
+        self.stats.claims_refused += 1
+        req.disowned = body.status is not wire.ClaimStatus.REVOKED  # a revocation is acknowledged as usual
+        cause = {wire.ClaimStatus.EDITED: FailureCause.TICKET_EDITED,
+                 wire.ClaimStatus.REVOKED: FailureCause.REVOKED}.get(body.status, FailureCause.TICKET_REPLAYED)
+        if req.state in _LIVE:
+            self._end(req, TicketClaimError(request_id=req.request_id, nonce=req.ticket.nonce,
+                                            status=body.status.name.lower(), agent=sender), now, cause)
 
     def _revoke(self, ref: wire.RequestRef, agent: str, until: float) -> None:
         """Remember a revoked ticket; a request reading it fails (it must never be reported DONE)."""
@@ -594,7 +686,7 @@ class Consumer:
                 for agent in link.agents.values():
                     per_agent.setdefault(agent, []).append(ref)
         for agent, refs in per_agent.items():
-            if agent in self._lost:
+            if self._is_lost(agent):
                 continue
             message = wire.encode(wire.Heartbeat(consumer_rank=self.tp_rank, requests=tuple(refs)), self._digest)
             if self._send(agent, message):
@@ -603,12 +695,18 @@ class Consumer:
                 self.stats.heartbeat_failures += 1
 
     def _lose(self, agent: str, error: BaseException) -> None:
-        if agent not in self._lost:
-            self._lost[agent] = error
+        record = self._records.setdefault(agent, PeerRecord(agent))
+        if record.stage is not PeerStage.GONE:
+            advance(record, PeerStage.GONE, self._clock())
+            record.error = error
             log.warning("consumer %s: producer agent %s is gone: %s", self.agent.name, agent, error)
 
+    def _is_lost(self, agent: str) -> bool:
+        record = self._records.get(agent)
+        return record is not None and record.stage is PeerStage.GONE
+
     def _lost_agent(self, link: EngineLink) -> str | None:
-        return next((a for a in link.agents.values() if a in self._lost), None)
+        return next((a for a in link.agents.values() if self._is_lost(a)), None)
 
     def _deadline_error(self, req: ReadRequest) -> ReadDeadlineError:
         return ReadDeadlineError(request_id=req.request_id, deadline_s=self.config.read_deadline_s,
@@ -625,8 +723,8 @@ class Consumer:
             return
         self._closed = True
         bye = None
-        for agent in getattr(self, "_greeted", ()):
-            if agent not in self._lost:
+        for agent, record in list(getattr(self, "_records", {}).items()):
+            if record.stage in (PeerStage.GREETED, PeerStage.WELCOMED):
                 bye = bye or wire.encode(wire.Bye(consumer_rank=self.tp_rank), self._digest)
                 self._send(agent, bye)
         if bye is not None:

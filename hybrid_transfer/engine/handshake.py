@@ -6,6 +6,10 @@ with both values. Tier two, compatible geometry: TP sizes, block sizes and
 addresses only need to map onto each other; the producer checks what it can see
 (the consumer's descriptor against its own arithmetic, the TP pair), the consumer
 builds its Planner over every producer rank, which rejects what it cannot map.
+
+With a shared secret (engine/auth.py) a producer answers nothing but a challenge until the
+consumer has proven the secret: a refusal then names no engine and no field, and the accepted
+reply (agent metadata, region addresses) goes only to a consumer whose proof checked.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
 
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import auth, wire
 from hybrid_transfer.errors import HandshakeError, PlanError, WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint, fingerprint_diff
 from hybrid_transfer.layout.model import ModelSpec
@@ -60,11 +64,23 @@ class ListenerStats:
     garbage: int = 0
 
 
-def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Callable[[str], None]) -> bytes:
+@dataclass
+class ListenerAuth:
+    """What the listener needs to authenticate consumers (None when no secret is set), and its counters."""
+
+    secret: bytes = field(repr=False)
+    challenges: auth.Challenges = field(repr=False)
+    challenged: int = 0  # first requests answered with a challenge
+    unauthenticated: int = 0  # requests refused for a missing or wrong proof (also counted as rejected)
+
+
+def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Callable[..., None],
+           secured: ListenerAuth | None = None) -> bytes:
     """The producer listener's reply to one message; never raises on peer bytes.
 
-    ``on_accept(consumer_agent_name)`` runs before the reply is sent, so the owner knows the
-    agent by the time that agent can notify.
+    ``on_accept(consumer_agent_name)`` (with a secret: ``on_accept(consumer_agent_name, link_key)``)
+    runs before the reply is sent, so the owner knows the agent (and its link key) by the time
+    that agent can notify.
     """
     try:
         _, request = wire.decode(data, wire.Kind.HANDSHAKE_REQUEST)
@@ -73,6 +89,11 @@ def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Cal
         log.info("handshake listener of %s: undecodable message: %s", card.agent_name, exc)
         return wire.encode(wire.ErrorReply(reason=str(exc)), card.digest)
     request = cast(wire.HandshakeRequest, request)  # decode() checked the kind
+    key = None
+    if secured is not None:
+        key, instead = _authenticate(card, request, stats, secured)
+        if key is None:
+            return instead  # a challenge or a refusal
     diffs = fingerprint_diff(request.fingerprint, card.fingerprint)  # (field, consumer, producer)
     error = "fields that must be equal differ" if diffs else _incompatible(card, request.rank)
     if error:
@@ -82,9 +103,41 @@ def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Cal
             differences=tuple(wire.FieldDifference(name, c, p) for name, c, p in diffs),
         )
         return wire.encode(reply, card.digest)
-    on_accept(request.agent_name)
+    if key is None:
+        on_accept(request.agent_name)
+    else:
+        on_accept(request.agent_name, key)
     stats.accepted += 1
     return card.accepted_reply
+
+
+def _authenticate(card: ProducerCard, request: wire.HandshakeRequest, stats: ListenerStats,
+                  secured: ListenerAuth) -> tuple[bytes | None, bytes]:
+    """(the link key, b"") when the request proves the secret; else (None, the reply to send instead)."""
+    cn = request.client_nonce
+    if len(cn) != auth.NONCE_BYTES:
+        stats.rejected += 1
+        secured.unauthenticated += 1
+        return None, _refusal(card, "this producer requires authentication: set the same shared secret on the consumer "
+                              f"(${auth.SECRET_ENV} or EngineConfig.secret_file)")
+    if not request.proof:
+        secured.challenged += 1
+        sn = secured.challenges.issue(request.agent_name, cn)
+        mine = auth.proof(secured.secret, "producer", cn, sn, card.agent_name, request.agent_name)
+        return None, wire.encode(wire.AuthChallenge(server_nonce=sn, proof=mine, agent_name=card.agent_name),
+                                 card.digest)
+    expected = auth.proof(secured.secret, "consumer", cn, request.server_nonce, card.agent_name, request.agent_name)
+    if not secured.challenges.take(request.agent_name, cn, request.server_nonce) or not auth.same(
+            expected, request.proof):
+        stats.rejected += 1
+        secured.unauthenticated += 1
+        return None, _refusal(card, "authentication failed: wrong shared secret, or a stale or replayed challenge")
+    return auth.link_key(secured.secret, cn, request.server_nonce, card.agent_name, request.agent_name), b""
+
+
+def _refusal(card: ProducerCard, error: str) -> bytes:
+    """A refusal before authentication: it names no engine, incarnation or field."""
+    return wire.encode(wire.HandshakeReply(accepted=False, error=error), card.digest)
 
 
 def _incompatible(card: ProducerCard, consumer: RankDescriptor) -> str:
@@ -97,13 +150,15 @@ def _incompatible(card: ProducerCard, consumer: RankDescriptor) -> str:
     return ""
 
 
-def make_request(fingerprint: Fingerprint, rank: RankDescriptor, agent_name: str, engine_id: str) -> bytes:
-    body = wire.HandshakeRequest(fingerprint=fingerprint, rank=rank, agent_name=agent_name, engine_id=engine_id)
+def make_request(fingerprint: Fingerprint, rank: RankDescriptor, agent_name: str, engine_id: str, *,
+                 client_nonce: bytes = b"", server_nonce: bytes = b"", proof: bytes = b"") -> bytes:
+    body = wire.HandshakeRequest(fingerprint=fingerprint, rank=rank, agent_name=agent_name, engine_id=engine_id,
+                                 client_nonce=client_nonce, server_nonce=server_nonce, proof=proof)
     return wire.encode(body, fingerprint.digest())
 
 
-def read_reply(data: bytes, *, address: str, digest: str) -> wire.HandshakeReply:
-    """The consumer's reading of a producer rank's reply.
+def read_reply(data: bytes, *, address: str, digest: str) -> wire.HandshakeReply | wire.AuthChallenge:
+    """The consumer's reading of a producer rank's reply (a challenge when the producer has a secret).
 
     Raises:
         HandshakeError: a refusal (with ``differences``), a reply that does not decode, or an
@@ -113,6 +168,8 @@ def read_reply(data: bytes, *, address: str, digest: str) -> wire.HandshakeReply
         env, body = wire.decode(data)
     except WireDecodeError as exc:
         raise HandshakeError(f"undecodable reply: {exc}", address=address) from exc
+    if isinstance(body, wire.AuthChallenge):
+        return body
     if isinstance(body, wire.ErrorReply):
         raise HandshakeError(f"the producer could not read our request: {body.reason}", address=address)
     if not isinstance(body, wire.HandshakeReply):

@@ -25,6 +25,7 @@ import enum
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
+from hybrid_transfer.engine.claims import EndedTickets
 from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.lease import LeaseBook
 from hybrid_transfer.engine.state import Hold, HoldState, transition
@@ -55,6 +56,7 @@ class HoldBook:
         # (request id, nonce) -> when the revocation lapses; inserted in lapse order (one clock, one lease_s)
         self._revoked: dict[tuple[str, int], float] = {}
         self.terminal_counts: Counter[str] = Counter()  # HoldState value -> holds that ended in it
+        self.ended = EndedTickets(clock, lease_s)  # claims on these are replays (claims.py)
 
     # ---- holding ------------------------------------------------------------------
     def add(self, request_id: str, nonce: int, block_ids: tuple[tuple[int, ...], ...], num_tokens: int) -> Hold:
@@ -217,6 +219,7 @@ class HoldBook:
         hold.awaiting_acks = set()
         self._releasing.append(hold)
         self.terminal_counts[state.value] += 1
+        self.ended.add(hold.request_id, hold.nonce)
 
     def _unpin(self, hold: Hold) -> None:
         for group in hold.block_ids:

@@ -3,6 +3,11 @@
 A link is keyed by the producer engine's (engine_id, incarnation), so a restarted
 producer (new incarnation) is a new link. Handshakes are non-blocking: replies are
 picked up by ``progress()``, which the consumer calls from its own poll().
+
+With a shared secret (engine/auth.py) each rank's handshake takes two round trips: the producer's
+challenge proves it knows the secret (before anything of ours is trusted), our second request
+proves we do, and both sides derive the link key. A producer that accepts without a challenge is
+refused: no downgrade. Each producer agent gets one PeerRecord (peer_record.py) in ``records``.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hybrid_transfer.engine import handshake, wire
+from hybrid_transfer.engine import auth, handshake, wire
 from hybrid_transfer.engine.agent import NixlAgent
-from hybrid_transfer.engine.side_channel import HandshakeClient
+from hybrid_transfer.engine.peer_record import PeerRecord
+from hybrid_transfer.engine.side_channel import Curve, HandshakeClient
 from hybrid_transfer.errors import EngineError, HandshakeError, HandshakeTimeout, HybridTransferError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.layout.model import ModelSpec
@@ -41,6 +47,7 @@ class EngineLink:
     replies: dict[int, wire.HandshakeReply] = field(default_factory=dict)
     planner: Planner | None = None
     agents: dict[int, str] = field(default_factory=dict)  # producer rank -> NIXL agent name (sources only)
+    keys: dict[int, bytes] = field(default_factory=dict, repr=False)  # producer rank -> link key (with a secret)
     error: HandshakeError | None = None
     merged_into: EngineLink | None = None
 
@@ -55,15 +62,21 @@ class Peers:
     """Links of one consumer rank; used only by the consumer's owner thread."""
 
     def __init__(self, agent: NixlAgent, model: ModelSpec, local: RankDescriptor, fingerprint: Fingerprint,
-                 engine_id: str, clock: Callable[[], float], timeout_s: float):
+                 engine_id: str, clock: Callable[[], float], timeout_s: float, secret: bytes | None = None, *,
+                 curve: Curve | None = None):
         self._agent = agent
         self._model = model
         self._local = local
         self._digest = fingerprint.digest()
+        self._fingerprint, self._engine_id = fingerprint, engine_id
         self._request = handshake.make_request(fingerprint, local, agent.name, engine_id)
+        self._secret = secret
+        self._nonces: dict[str, bytes] = {}  # address -> our client nonce of its handshake in progress
+        self._proven: dict[str, tuple[bytes, str]] = {}  # address -> (server nonce, agent) of a checked challenge
+        self.records: dict[str, PeerRecord] = {}  # producer agent name -> what we know of it (one record each)
         self._clock = clock
         self._timeout_s = timeout_s
-        self._client = HandshakeClient()
+        self._client = HandshakeClient(curve)
         self._links: dict[tuple[str, int], EngineLink] = {}
         self._pending: dict[str, EngineLink] = {}  # address awaiting a reply -> its link
 
@@ -103,12 +116,56 @@ class Peers:
 
     def _send(self, link: EngineLink, address: str) -> None:
         self._pending[address] = link
-        self._client.send(address, self._request)
+        self._proven.pop(address, None)
+        if self._secret is None:
+            self._client.send(address, self._request)
+            return
+        cn = self._nonces[address] = auth.new_nonce()
+        self._client.send(address, handshake.make_request(self._fingerprint, self._local, self._agent.name,
+                                                          self._engine_id, client_nonce=cn))
+
+    def _answer_challenge(self, link: EngineLink, address: str, challenge: wire.AuthChallenge) -> None:
+        """Check the producer's proof, then send ours (the same request with both nonces)."""
+        cn = self._nonces.get(address)
+        if self._secret is None:
+            raise HandshakeError("the producer requires authentication: set the same shared secret here "
+                                 f"(${auth.SECRET_ENV} or EngineConfig.secret_file)", address=address)
+        if cn is None or address in self._proven or not auth.same(challenge.proof, auth.proof(
+                self._secret, "producer", cn, challenge.server_nonce, challenge.agent_name, self._agent.name)):
+            raise HandshakeError("the producer failed to prove the shared secret (another secret, or not our "
+                                 "producer)", address=address)
+        self._proven[address] = (challenge.server_nonce, challenge.agent_name)
+        mine = auth.proof(self._secret, "consumer", cn, challenge.server_nonce, challenge.agent_name,
+                          self._agent.name)
+        self._pending[address] = link
+        self._client.send(address, handshake.make_request(self._fingerprint, self._local, self._agent.name,
+                                                          self._engine_id, client_nonce=cn,
+                                                          server_nonce=challenge.server_nonce, proof=mine))
+
+    def _link_key(self, address: str, reply: wire.HandshakeReply) -> bytes | None:
+        """The link key of an accepted reply (None without a secret).
+
+        Raises:
+            HandshakeError: we have a secret, but the producer accepted without proving it.
+        """
+        if self._secret is None:
+            return None
+        cn, proven = self._nonces.pop(address, None), self._proven.pop(address, None)
+        if cn is None or proven is None or proven[1] != reply.agent_name:
+            raise HandshakeError("the producer accepted without proving the shared secret (it has none, or "
+                                 "is not our producer): refused", address=address)
+        return auth.link_key(self._secret, cn, proven[0], reply.agent_name, self._agent.name)
 
     def _on_reply(self, link: EngineLink, address: str, data: bytes) -> None:
         try:
             reply = handshake.read_reply(data, address=address, digest=self._digest)
+            if isinstance(reply, wire.AuthChallenge):
+                self._answer_challenge(link, address, reply)
+                return
+            key = self._link_key(address, reply)
             link = self._place(link, address, reply)
+            if link is not None and key is not None:
+                link.keys[reply.rank.tp_rank] = key
             if link is not None and len(link.replies) == len(link.addresses):
                 self._finish(link)
         except HandshakeError as exc:
@@ -161,6 +218,10 @@ class Peers:
                 raise HandshakeError(f"metadata names agent {name!r}, the reply {reply.agent_name!r}",
                                      address=link.addresses[source])
             link.agents[source] = name
+            key = link.keys.get(source)
+            # A new handshake with an agent (after a timeout) starts a new record: a new key, a new Hello.
+            self.records[name] = PeerRecord(name, auth.Link.for_consumer(key) if key is not None else None,
+                                            since=self._clock())
         link.planner = planner
         link.state = LinkState.READY
         log.info("consumer %s linked to producer engine %s (TP %d)", self._agent.name, link.key,
@@ -177,6 +238,8 @@ class Peers:
         stale = [a for a, pending in self._pending.items() if pending is link]
         for address in stale:
             del self._pending[address]
+            self._nonces.pop(address, None)
+            self._proven.pop(address, None)
         self._client.drop(stale)
         if isinstance(error, HandshakeTimeout) and link.key is not None:
             self._links.pop(link.key, None)  # a timeout may heal: the next ticket tries afresh

@@ -10,6 +10,11 @@ consumer heartbeats; aborts that revoke the ticket at every consumer agent that 
 step fences before blocks go back to the embedder. Consumer agents introduce themselves with
 a Hello after their handshake (their metadata, so this rank can notify them) and are answered
 with a Welcome listing revoked tickets; a Bye, or NIXL reporting them disconnected, forgets them.
+
+With a shared secret (issue 14, engine/auth.py) the listener gives agent metadata only to consumers
+that proved the secret, and every notification is sealed under its link's key: one that fails the
+check (forged, edited, replayed, unsealed) or names another consumer rank than its agent's Hello
+is counted in ``rejections`` and dropped. One record per consumer agent (peer_record.py).
 """
 
 from __future__ import annotations
@@ -22,16 +27,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.early import EarlyCompletions
 from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.handshake import ListenerStats, ProducerCard, answer
+from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, ProducerCard, answer
 from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.pack.stager import STAGING_MODES, Stager
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
 from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
 from hybrid_transfer.engine.state import Hold, HoldState
@@ -52,7 +58,7 @@ log = logging.getLogger(__name__)
 
 _MAX_EXPECTED_CONSUMERS = 1 << 16
 # What consumers send a producer rank; any other kind arriving as a notification is malformed.
-_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye)
+_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye, wire.Claim)
 
 
 @dataclass
@@ -84,6 +90,10 @@ class ProducerStats:
     handshakes_evicted: int = 0  # accepted agents forgotten before their Hello: the pending table was full
     handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
     notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full
+    rejected: int = 0  # notifications that failed authentication or named another rank (by cause: rejections)
+    claims_confirmed: int = 0  # claims on a live, unclaimed, unedited ticket (claims.py)
+    claims_refused: int = 0  # ... answered otherwise (replayed, ended, revoked, edited)
+    claims_kept: int = 0  # claims for a request not held (yet): kept like early completions
 
 
 class Producer:
@@ -118,6 +128,8 @@ class Producer:
             self.descriptor = describe_cache(cache)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
+            self._secret = auth.load_secret(self.config.secret_file)
+            auth.warn_if_open(self._secret, f"producer {self.agent.name}")
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
                 self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
@@ -125,10 +137,15 @@ class Producer:
             self._pending = PendingHandshakes(clock, self.config.pending_handshake_s,
                                               self.config.max_pending_handshakes)
             self.listener_stats = ListenerStats()
+            self.listener_auth = None if self._secret is None else ListenerAuth(
+                self._secret, auth.Challenges(clock, self.config.pending_handshake_s,
+                                              self.config.max_pending_handshakes))
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
                                            self._respond, name=f"hybrid-transfer-handshake-{self.agent.name}",
-                                           advertise_host=self.config.advertise_host)
+                                           advertise_host=self.config.advertise_host,
+                                           curve=auth.side_channel_curve(self.config.side_channel_curve,
+                                                                         self._secret))
             self.address = self._server.address
             self._set_card(() if self.tp_size > 1 else (self.address,))
             self._server.start()
@@ -140,7 +157,9 @@ class Producer:
         self._book = HoldBook(clock, self.config.lease_s, self.fences)
         self._early = EarlyCompletions(clock, self.config.early_completion_grace_s, self.config.lease_s,
                                        self.config.early_completion_limit)
-        self._welcomed: set[str] = set()  # consumer agents that said Hello and were welcomed: the only readers
+        # Consumer agents that said Hello and were welcomed (stage WELCOMED): the only readers.
+        self._peers: dict[str, PeerRecord] = {}
+        self.rejections = auth.RejectionLog(f"producer {self.agent.name}")  # .counts: cause -> dropped
         # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._log = LogGate(log, clock)
@@ -169,7 +188,8 @@ class Producer:
         staged = self.stager.respond(data) if self.stager is not None else None
         if staged is not None:
             return staged
-        return answer(card, data, self.listener_stats, self._pending.add) if card is not None else None
+        return answer(card, data, self.listener_stats, self._pending.add,
+                      self.listener_auth) if card is not None else None
 
     # ---- requests -----------------------------------------------------------------
     def hold(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None = None,
@@ -219,19 +239,26 @@ class Producer:
         validate_block_ids("producer", ids, self._kinds, num_tokens, self.geometry.block_size,
                            self.cache.num_blocks, exact=True)
         block_ids = tuple(tuple(int(b) for b in arr) for arr in ids)
+        if ticket is not None and not claims.mac_ok(ticket, self._secret):  # edited, or signed without our secret
+            raise TicketMismatchError(request_id=request_id, differences=[
+                ("mac", "a MAC of the ticket's fields under this engine's ticket key", ticket.mac.hex())])
         nonce = secrets.randbits(63) if nonce is None else nonce
         hold = self._book.add(request_id, nonce, block_ids, num_tokens)
+        hold.digest = claims.ticket_digest(self.engine_id, self.incarnation, request_id, nonce, block_ids, num_tokens,
+                                           num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
         for sender, completion in self._early.take(request_id, nonce):
             self.stats.early_replayed += 1
-            if self._book.get(request_id) is hold:  # an earlier replay may have ended it
+            if isinstance(completion, wire.Claim):
+                self._on_claim(sender, completion)
+            elif self._book.get(request_id) is hold:  # an earlier replay may have ended it
                 self._count_report(sender, hold, completion)
-        return ticket if ticket is not None else wire.Ticket(
+        return ticket if ticket is not None else claims.sign(wire.Ticket(
             engine_id=self.engine_id, incarnation=self.incarnation, addresses=self.engine_addresses,
             tp_size=self.tp_size, request_id=request_id, nonce=nonce, block_ids=block_ids,
             num_tokens=num_tokens, state_position=num_tokens, lease_s=float(self.config.lease_s),
-        )
+        ), self._secret)
 
     def _check_ticket(self, request_id: str, block_ids_per_group: Sequence[Sequence[int]] | None,
                       num_tokens: int | None, nonce: int | None, ticket: wire.Ticket):
@@ -326,7 +353,7 @@ class Producer:
         hold = self._book.get(request_id)
         if hold is None or hold.state is not HoldState.HELD:
             return False
-        readers = set(self._welcomed)
+        readers = set(self._peers)
         self._book.abort(hold, readers)
         self._send_revokes(hold, readers)
         return True
@@ -365,7 +392,7 @@ class Producer:
         for hold in self._book.expire():
             if hold.state is HoldState.EXPIRED:
                 log.info("producer %s: lease of %r expired", self.agent.name, hold.request_id)
-                self._send_revokes(hold, set(self._welcomed))
+                self._send_revokes(hold, set(self._peers))
         released = self._book.pop_released()
         if self.stager is not None:
             for request_id in released:
@@ -376,27 +403,44 @@ class Producer:
     def _on_notification(self, sender: str, message: bytes) -> None:
         """Check and count one notification, then act on it."""
         try:
-            env, body = wire.decode(message)
+            env = wire.decode_envelope(message)
+            if env.fingerprint != self._digest:
+                raise WireDecodeError(f"fingerprint {env.fingerprint!r} is not ours")
+            record = self._peers.get(sender)
+            pending = self._pending.get(sender)
+            if record is None and pending is None:
+                self.stats.unknown_agent += 1
+                self._log.warning("unknown agent", "producer %s: notification from %s, which never handshaked",
+                                  self.agent.name, sender)
+                return
+            env, record = self._unseal(sender, env, record, pending)
+            if env is None:
+                return
+            body = wire.decode_body(env)
         except WireDecodeError as exc:
             self.stats.malformed += 1
             self._log.log(logging.INFO, "malformed", "producer %s: malformed notification from %s: %s",
                           self.agent.name, sender, exc)
             return
-        if env.fingerprint != self._digest or not isinstance(body, _FROM_CONSUMERS) or (
+        if not isinstance(body, _FROM_CONSUMERS) or (
                 isinstance(body, wire.Completion) and not 1 <= body.expected_consumers <= _MAX_EXPECTED_CONSUMERS):
             self.stats.malformed += 1
             return
-        if sender not in self._welcomed and sender not in self._pending:
-            self.stats.unknown_agent += 1
-            self._log.warning("unknown agent", "producer %s: notification from %s, which never handshaked",
-                              self.agent.name, sender)
-            return
+        rank = getattr(body, "consumer_rank", None)
+        if rank is not None and record.link is not None:  # authenticated: one agent speaks for one rank
+            if record.rank is None:
+                record.rank = rank  # bound by the agent's first message, its Hello
+            elif rank != record.rank:
+                self._reject("rank", sender)
+                return
         if isinstance(body, wire.Completion):
             self._on_completion(sender, body)
         elif isinstance(body, wire.Heartbeat):
             self._on_heartbeat(body)
         elif isinstance(body, wire.Hello):
-            self._on_hello(sender, body)
+            self._on_hello(sender, body, record)
+        elif isinstance(body, wire.Claim):
+            self._on_claim(sender, body)
         elif isinstance(body, wire.RevokeAck):
             heard = self._book.ack(body.request.request_id, body.request.nonce, sender)
             if heard is Heard.STALE:
@@ -406,6 +450,45 @@ class Producer:
         else:  # Bye
             self.stats.byes += 1
             self._forget(sender)
+
+    def _unseal(self, sender: str, env: wire.Envelope, record: PeerRecord | None,
+                pending: PeerRecord | None) -> tuple[wire.Envelope | None, PeerRecord]:
+        """The inner envelope and the record whose link it came through; (None, ...) when it was rejected.
+
+        Without a secret: the envelope itself, under the welcomed record (else the pending one). With
+        one, a welcomed agent's link is tried first, then a newer handshake's (the agent handshaked again).
+
+        Raises:
+            WireDecodeError: a sealed message that does not decode, or one where none is expected.
+        """
+        fallback = record if record is not None else pending
+        if self._secret is None:
+            if env.kind is wire.Kind.SEALED:
+                raise WireDecodeError("a sealed notification, but this producer has no secret")
+            return env, fallback
+        if env.kind is not wire.Kind.SEALED:
+            self._reject("unsealed", sender)
+            return None, fallback
+        sealed = wire.decode_body(env)
+        cause = "mac"
+        for candidate in (record, pending):
+            if candidate is None or candidate.link is None:
+                continue
+            try:
+                candidate.link.check(sealed.counter, sealed.mac, sealed.message)
+            except auth.Rejected as exc:
+                cause = exc.cause if exc.cause == "replay" else cause
+                continue
+            inner = wire.decode_envelope(sealed.message)
+            if inner.fingerprint != self._digest or inner.kind is wire.Kind.SEALED:
+                raise WireDecodeError("a sealed notification whose inner message is not ours")
+            return inner, candidate
+        self._reject(cause, sender)
+        return None, fallback
+
+    def _reject(self, cause: str, sender: str) -> None:
+        self.stats.rejected += 1
+        self.rejections.add(cause, sender, self._clock())
 
     def _on_completion(self, sender: str, body: wire.Completion) -> None:
         hold = self._book.get(body.request_id)
@@ -420,6 +503,37 @@ class Producer:
                               body.request_id, sender)
             return
         self._count_report(sender, hold, body)
+
+    def _on_claim(self, sender: str, body: wire.Claim) -> None:
+        """Confirm a consumer rank's first claim on a live ticket this rank holds as given; refuse any other."""
+        hold = self._book.get(body.request_id)
+        key = (body.request_id, body.nonce)
+        if hold is not None and hold.nonce == body.nonce:
+            if hold.state is not HoldState.HELD:
+                status = wire.ClaimStatus.REVOKED
+            elif not auth.same(body.digest, hold.digest):
+                status = wire.ClaimStatus.EDITED
+            elif body.consumer_rank in hold.claimed:
+                status = wire.ClaimStatus.CLAIMED
+            else:
+                hold.claimed.add(body.consumer_rank)
+                status = wire.ClaimStatus.CONFIRMED
+        elif key in self._book.ended or key in self._book.revocations():
+            status = wire.ClaimStatus.ENDED
+        elif hold is not None:
+            status = wire.ClaimStatus.ENDED  # re-held with another nonce: this ticket is over
+        else:  # not held yet (a scheduler issued the ticket): answered at its hold
+            self.stats.claims_kept += 1
+            self._early.keep(sender, body)  # type: ignore[arg-type]
+            return
+        if status is wire.ClaimStatus.CONFIRMED:
+            self.stats.claims_confirmed += 1
+        else:
+            self.stats.claims_refused += 1
+            log.info("producer %s: claim of %r by rank %d refused: %s", self.agent.name, body.request_id,
+                     body.consumer_rank, status.name)
+        self._notify(sender, wire.ClaimReply(request=wire.RequestRef(body.request_id, body.nonce),
+                                             consumer_rank=body.consumer_rank, status=status))
 
     def _count_report(self, sender: str, hold: Hold, body: wire.Completion) -> None:
         heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)
@@ -443,10 +557,10 @@ class Producer:
             self._book.renew(hold)
             self.stats.renewals += 1
 
-    def _on_hello(self, sender: str, body: wire.Hello) -> None:
+    def _on_hello(self, sender: str, body: wire.Hello, record: PeerRecord) -> None:
         """Load the consumer agent's metadata and welcome it with the tickets this rank revoked."""
         try:
-            name = sender if sender in self._welcomed else self.agent.add_remote(body.agent_metadata)
+            name = sender if sender in self._peers else self.agent.add_remote(body.agent_metadata)
         except EngineError as exc:
             self.stats.malformed += 1
             self._log.warning("bad hello", "producer %s: Hello from %s with unusable metadata: %s", self.agent.name,
@@ -458,9 +572,11 @@ class Producer:
                               sender, name)
             return
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
-        if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))):
-            self._welcomed.add(sender)
-            self._pending.discard(sender)
+        if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s)), record):
+            if record.stage is PeerStage.HANDSHAKEN:  # a first Hello, or one after a new handshake
+                advance(record, PeerStage.WELCOMED, self._clock())
+                self._peers[sender] = record
+                self._pending.discard(sender)
             self.stats.hellos += 1
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
@@ -469,10 +585,18 @@ class Producer:
             if self._notify(agent, message):
                 self.stats.revokes_sent += 1
 
-    def _notify(self, agent: str, body: wire.Body) -> bool:
-        """Send one message to a consumer agent (False when it failed); a disconnected agent is forgotten."""
+    def _notify(self, agent: str, body: wire.Body, record: PeerRecord | None = None) -> bool:
+        """Send one message to a consumer agent (False when it failed); a disconnected agent is forgotten.
+
+        With a secret it is sealed under the agent's link (``record``, else its welcomed record).
+        """
+        record = record or self._peers.get(agent)
+        message = wire.encode(body, self._digest)
+        if record is not None and record.link is not None:
+            counter, mac = record.link.seal(message)
+            message = wire.encode(wire.Sealed(counter=counter, mac=mac, message=message), self._digest)
         try:
-            self.agent.send_notif(agent, wire.encode(body, self._digest))
+            self.agent.send_notif(agent, message)
             return True
         except PeerDisconnectedError as exc:
             self.stats.notify_failures += 1
@@ -486,7 +610,9 @@ class Producer:
     def _forget(self, agent: str) -> None:
         """A consumer agent reads nothing from here any more: drop it, and stop waiting for its acks."""
         self._pending.discard(agent)
-        self._welcomed.discard(agent)
+        record = self._peers.pop(agent, None)
+        if record is not None:
+            advance(record, PeerStage.GONE, self._clock())
         self._book.forget_agent(agent)
         try:
             self.agent.remove_remote(agent)

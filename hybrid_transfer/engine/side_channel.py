@@ -8,8 +8,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils import z85
 
 from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
 
@@ -33,6 +35,40 @@ def _limit_frames(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
 
 
+@dataclass(frozen=True)
+class Curve:
+    """ZeroMQ CURVE encryption of the side channel (``EngineConfig.side_channel_curve``).
+
+    The producer's key pair is derived from the shared secret (engine/auth.py ``curve_seed``), so
+    every consumer that knows the secret knows the server's public key without another exchange;
+    each consumer socket draws its own key pair. A peer without the key gets no answer at all.
+    """
+
+    server_public: bytes
+    server_secret: bytes = field(repr=False)
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> Curve:
+        """``seed``: 32 bytes derived from the secret."""
+        secret = z85.encode(seed)
+        return cls(zmq.curve_public(secret), secret)
+
+    @staticmethod
+    def available() -> bool:
+        return bool(zmq.has("curve"))
+
+    def serve(self, sock: zmq.Socket) -> None:
+        sock.curve_secretkey = self.server_secret
+        sock.curve_publickey = self.server_public
+        sock.curve_server = True
+
+    def connect(self, sock: zmq.Socket) -> None:
+        public, secret = zmq.curve_keypair()
+        sock.curve_serverkey = self.server_public
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+
+
 class HandshakeServer:
     """A ROUTER socket answered by a named daemon thread.
 
@@ -45,11 +81,13 @@ class HandshakeServer:
     """
 
     def __init__(self, host: str, port: int, respond: Callable[[bytes], bytes | None], *, name: str,
-                 advertise_host: str | None = None):
+                 advertise_host: str | None = None, curve: Curve | None = None):
         self._respond = respond
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.serve(self._sock)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting consumer keeps its identity
         _limit_frames(self._sock)
         if ":" in host:
@@ -120,10 +158,11 @@ class HandshakeServer:
 class HandshakeClient:
     """One DEALER per producer rank address, non-blocking; owned by the consumer's owner thread."""
 
-    def __init__(self):
+    def __init__(self, curve: Curve | None = None):
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._poller = zmq.Poller()
+        self._curve = curve
 
     def send(self, address: str, payload: bytes) -> None:
         """Queue ``payload`` for ``address`` (connecting on first use); never blocks."""
@@ -133,6 +172,8 @@ class HandshakeClient:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.SNDHWM, 64)
             _limit_frames(sock)
+            if self._curve is not None:
+                self._curve.connect(sock)
             if "[" in address:  # an IPv6 literal
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(address)

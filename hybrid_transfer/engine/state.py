@@ -57,6 +57,8 @@ class FailureCause(enum.Enum):
     SOURCE_LOST = "source_lost"  # a producer rank disappeared (NIXL reports its agent disconnected)
     DEADLINE = "deadline"  # read_deadline_s passed first
     REVOKED = "revoked"  # the producer aborted the request or its lease expired
+    TICKET_REPLAYED = "ticket_replayed"  # the producer did not confirm the claim: already claimed, or ended
+    TICKET_EDITED = "ticket_edited"  # the ticket's fields differ from the producer's record of it
 
 
 class HoldState(enum.Enum):
@@ -100,6 +102,8 @@ class ReadRequest:
     num_descriptors: int = 0
     error: BaseException | None = None
     cause: FailureCause | None = None
+    awaiting_claims: set = field(default_factory=set)  # source agents that have not confirmed our claim (claims.py)
+    disowned: bool = False  # a claim was refused: this rank tells the producers nothing about the request
 
 
 @dataclass(eq=False)
@@ -117,6 +121,8 @@ class Hold:
     heard: dict[int, str] = field(default_factory=dict)
     expires_at: float = math.inf  # end of the lease on the producer's clock; heartbeats push it back
     awaiting_acks: set[str] = field(default_factory=set)  # ABORTING: consumer agents yet to confirm the revocation
+    digest: bytes = b""  # claims.ticket_digest of the ticket this hold honours
+    claimed: set[int] = field(default_factory=set)  # consumer ranks whose claim was confirmed
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from hybrid_transfer.errors import TicketParamsError
 _NONCE_LIMIT = 1 << 63  # as drawn by issue_ticket and Producer.hold
 _INCARNATION_LIMIT = 1 << 64
 _FIELDS = ("version", "engine_id", "incarnation", "addresses", "tp_size", "request_id", "nonce", "block_ids",
-           "num_tokens", "state_position", "lease_s")
+           "num_tokens", "state_position", "lease_s", "mac")
 
 
 def ticket_to_params(ticket: Ticket) -> dict[str, Any]:
@@ -34,6 +34,7 @@ def ticket_to_params(ticket: Ticket) -> dict[str, Any]:
         "num_tokens": ticket.num_tokens,
         "state_position": ticket.state_position,
         "lease_s": float(ticket.lease_s),
+        "mac": ticket.mac.hex(),
     }
 
 
@@ -81,7 +82,17 @@ def ticket_from_params(params: Any) -> Ticket:
         state_position=_int(params, "state_position"),
         lease_s=float(lease_s),
         version=version,
+        mac=_hex(params, "mac"),
     )
+
+
+def _hex(params: dict, field: str) -> bytes:
+    """Bytes written as lower-case hex (at most 64 bytes; "" for none)."""
+    value = params[field]
+    if not isinstance(value, str) or len(value) > 128 or len(value) % 2 or any(c not in "0123456789abcdef"
+                                                                               for c in value):
+        raise TicketParamsError("must be a string of at most 128 lower-case hex digits", field=field, value=value)
+    return bytes.fromhex(value)
 
 
 def _is_int(value: Any) -> bool:

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import msgspec
 
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import claims, wire
 from hybrid_transfer.errors import ConfigError, EngineCardError, WireDecodeError
 from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
@@ -129,11 +129,13 @@ class EngineCard(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def issue_ticket(card: EngineCard, request_id: str, block_ids_per_group: Sequence[Sequence[int]], num_tokens: int,
-                 *, nonce: int | None = None) -> wire.Ticket:
+                 *, nonce: int | None = None, secret: bytes | None = None) -> wire.Ticket:
     """The ticket every rank of ``card``'s engine will hold the request with (pure: nothing is pinned).
 
     ``block_ids_per_group``: in this library's group order (attention groups first), exactly the
-    blocks of ``num_tokens`` tokens. ``nonce``: None draws a fresh one with ``secrets``.
+    blocks of ``num_tokens`` tokens. ``nonce``: None draws a fresh one with ``secrets``. ``secret``:
+    the engines' shared secret (engine/auth.py ``load_secret``), which keys the ticket's MAC
+    (engine/claims.py); the producer ranks refuse a ticket signed without it when they have one.
 
     Raises:
         ConfigError: an empty request id, a negative or non-integer ``num_tokens``, a nonce
@@ -152,11 +154,11 @@ def issue_ticket(card: EngineCard, request_id: str, block_ids_per_group: Sequenc
         raise ConfigError(f"nonce={nonce!r} must be an integer in [0, 2**63)", field="nonce", value=nonce)
     ids = block_id_arrays("producer", block_ids_per_group, len(card.group_kinds))
     validate_block_ids("producer", ids, card.group_kinds, num_tokens, card.block_size, card.num_blocks, exact=True)
-    return wire.Ticket(
+    return claims.sign(wire.Ticket(
         engine_id=card.engine_id, incarnation=card.incarnation, addresses=card.addresses, tp_size=card.tp_size,
         request_id=request_id, nonce=int(nonce), block_ids=tuple(tuple(int(b) for b in arr) for arr in ids),
         num_tokens=num_tokens, state_position=num_tokens, lease_s=float(card.lease_s),
-    )
+    ), secret)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -22,6 +22,13 @@ Version log:
   -: bounds (issue 14): length caps on names, ids and addresses, ranges on counts and nonces, checked
      at decode only (msgspec Meta); the bytes on the wire are unchanged, so no bump
      (docs/limits.md).
+  5: authentication (issue 14, engine/auth.py): HandshakeRequest.client_nonce / server_nonce / proof,
+     last and defaulted (empty without a secret); AuthChallenge (a producer with a secret answers a
+     first request with its server nonce and proof, and sends agent metadata only after the
+     consumer's proof); Sealed (with a secret, every NIXL notification is an inner envelope with a
+     per-link counter and a MAC under the link key). Claim / ClaimReply (single-use tickets,
+     engine/claims.py): DONE only after the producer confirmed the claim. Ticket.mac, last and defaulted
+     (b"": unsigned), over the fields that decide the bytes (claims.sign); ticket_params carries it.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -41,7 +48,7 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
@@ -60,6 +67,8 @@ Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 Nonce = Annotated[int, msgspec.Meta(ge=0, le=MAX_NONCE)]
 Count = Annotated[int, msgspec.Meta(ge=0)]  # token counts, block ids, ranks, byte counts
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
+MAX_AUTH_BYTES = 64  # nonces and MACs (32 bytes each today)
+AuthBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)]
 
 
 class Kind(enum.IntEnum):
@@ -73,6 +82,10 @@ class Kind(enum.IntEnum):
     REVOKE = 8
     REVOKE_ACK = 9
     BYE = 10
+    AUTH_CHALLENGE = 11
+    SEALED = 12
+    CLAIM = 13
+    CLAIM_REPLY = 14
     STAGING_QUERY = 20  # pack mode (issue 6); numbered apart so other additions never collide
     STAGING_REPLY = 21
 
@@ -93,6 +106,52 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     rank: RankDescriptor
     agent_name: Name
     engine_id: Name
+    client_nonce: AuthBytes = b""  # with a secret: fresh per handshake (engine/auth.py)
+    server_nonce: AuthBytes = b""  # the second request only: the producer's challenge
+    proof: AuthBytes = b""  # ... and the consumer's proof of the secret over both nonces
+
+
+class AuthChallenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="auth_challenge"):
+    """A producer with a secret answers a first handshake request: prove the secret (engine/auth.py)."""
+
+    server_nonce: AuthBytes
+    proof: AuthBytes  # the producer's proof of the secret over both nonces and both agent names
+    agent_name: Name  # the producer agent the proof (and so the link key) binds
+
+
+class Sealed(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A notification between authenticated agents: ``message`` is the inner encoded envelope."""
+
+    counter: Nonce  # strictly increasing per link and direction
+    mac: AuthBytes
+    message: bytes
+
+
+class ClaimStatus(enum.IntEnum):
+    """A producer rank's answer to a claim; only CONFIRMED lets the consumer report DONE."""
+
+    CONFIRMED = 1  # held with this nonce, the digest matches, and this consumer rank's first claim
+    CLAIMED = 2  # this consumer rank already claimed this ticket: a replay
+    ENDED = 3  # the request was freed, expired or aborted (or re-held with another nonce)
+    REVOKED = 4  # the request is being aborted
+    EDITED = 5  # the ticket's fields differ from what this rank holds
+
+
+class Claim(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="claim"):
+    """A consumer rank posted READs of a ticket (engine/claims.py): is it live and unclaimed?"""
+
+    request_id: RequestId
+    nonce: Nonce
+    consumer_rank: Count
+    digest: AuthBytes  # claims.ticket_digest of the ticket as the consumer read by it
+
+
+class ClaimReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="claim_reply"):
+    """The producer rank's verdict on one claim."""
+
+    request: RequestRef
+    consumer_rank: Count
+    status: ClaimStatus
 
 
 class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -135,6 +194,7 @@ class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticke
     state_position: Count  # tokens folded into the recurrent state (== num_tokens under the N-1 rule)
     lease_s: Annotated[float, msgspec.Meta(gt=0)]
     version: int = PROTOCOL_VERSION
+    mac: AuthBytes = b""  # engine/claims.py: HMAC of the fields under the engine's ticket key; b"": unsigned
 
     @property
     def engine_key(self) -> tuple[str, int]:
@@ -213,7 +273,7 @@ class Bye(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="bye"):
 
 
 Body = (HandshakeRequest | HandshakeReply | Completion | ErrorReply | Heartbeat | Hello | Welcome | Revoke
-        | RevokeAck | Bye)
+        | RevokeAck | Bye | AuthChallenge | Sealed | Claim | ClaimReply)
 _BODY_OF_KIND = {
     Kind.HANDSHAKE_REQUEST: HandshakeRequest,
     Kind.HANDSHAKE_REPLY: HandshakeReply,
@@ -225,6 +285,10 @@ _BODY_OF_KIND = {
     Kind.REVOKE: Revoke,
     Kind.REVOKE_ACK: RevokeAck,
     Kind.BYE: Bye,
+    Kind.AUTH_CHALLENGE: AuthChallenge,
+    Kind.SEALED: Sealed,
+    Kind.CLAIM: Claim,
+    Kind.CLAIM_REPLY: ClaimReply,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)

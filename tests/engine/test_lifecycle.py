@@ -7,6 +7,8 @@ deadlines, aborts, revocations, quarantine and step fences are all driven by ste
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 from harness import TINY
 
@@ -47,7 +49,7 @@ class FakeNet:
 class FakeAgent:
     net: FakeNet
 
-    def __init__(self, name, config):
+    def __init__(self, name, config, device_memory=False):
         self.name = name
         self.inbox: dict[str, list[bytes]] = {}
         self.sent: list[tuple[str, bytes]] = []
@@ -86,6 +88,10 @@ class FakeAgent:
         elif xfer.state is XferState.PROC:
             xfer.state = self.outcome
         return xfer.state
+
+    @contextlib.contextmanager
+    def one_check_per_handle(self):
+        yield
 
     def release(self, xfer):
         if xfer.state is XferState.PROC and not self.releasable:
@@ -419,6 +425,7 @@ def test_producer_fences_refuse_early_holds_and_delay_releases(pair):
     consumer.start_read(producer.hold("r", *LAYOUT), LOCAL)
     producer.mark_blocks_written([2], step=7)  # a step queued later still writes block 2
     consumer.agent.outcome = XferState.DONE
+    assert producer.poll() == []  # confirms the consumer's claim (engine/claims.py)
     assert consumer.poll()[0].ok
     assert producer.poll() == [] and producer.num_held_blocks == 5 and producer.terminal_counts == {"freed": 1}
     producer.finish_step(7)

@@ -96,7 +96,9 @@ def _fields(struct) -> dict:
 
 
 @pytest.mark.parametrize("announce", [False, True], ids=["grace", "expect"])
-def test_a_completion_before_the_hold_frees_the_request_at_the_hold(cluster, announce):
+def test_a_read_before_the_hold_is_confirmed_at_the_hold(cluster, announce):
+    """A read may start before the producer rank holds (the scheduler keeps the blocks), but it is DONE only
+    once the hold confirmed its claim (engine/claims.py): the claim is kept like an early completion."""
     p_worker, c_worker = cluster.workers[0], cluster.workers[1]
     keys = _bare_producers([p_worker], 1)
     consumers = start_consumers([c_worker], [RankSpec(TINY, 1, 0, 16)])
@@ -108,15 +110,17 @@ def test_a_completion_before_the_hold_frees_the_request_at_the_hold(cluster, ann
         p_worker.call("call", fill, keys[0], LAYOUT, 21)
         # The consumer reads before the producer rank holds: the scheduler still keeps those blocks.
         c_worker.call("start_read", consumers.keys[0], encode_ticket(ticket), LOCAL.block_ids, LOCAL.num_tokens)
-        assert c_worker.call("wait_done", consumers.keys[0], ["early"], WAIT_S)[0].state == "done"
-        _wait_producer(p_worker, keys[0], early_kept=1)
+        _wait_producer(p_worker, keys[0], claims_kept=1)
+        assert c_worker.call("wait_done", consumers.keys[0], ["early"], 0.5)[0].state == "timeout"
         assert _status(p_worker, keys[0])["num_held_requests"] == 0
-        # The hold takes the completion in: the very next poll releases the request.
-        assert p_worker.call("call", hold_ticket_and_poll, keys[0], encode_ticket(ticket)) == ["early"]
+        # The hold takes the claim in and confirms it: DONE, then the completion frees the request.
+        p_worker.call("call", hold_ticket_and_poll, keys[0], encode_ticket(ticket))
+        assert c_worker.call("wait_done", consumers.keys[0], ["early"], WAIT_S)[0].state == "done"
+        assert p_worker.call("wait_freed", keys[0], ["early"], WAIT_S) == ["early"]
         status = _status(p_worker, keys[0], ["early"])
         assert status["held"] == [] and status["num_held_blocks"] == 0
         assert status["stats"]["early_replayed"] == 1 and status["stats"]["completions"] == 1
-        assert status["stats"]["early_lapsed"] == 0
+        assert status["stats"]["claims_confirmed"] == 1 and status["stats"]["early_lapsed"] == 0
         c_worker.call("check", consumers.keys[0], [(LOCAL, 21)])
     finally:
         _close([p_worker], keys)

@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import claims, wire
 from hybrid_transfer.engine.ticket_params import ticket_from_params, ticket_to_params
 from hybrid_transfer.engine.tickets import (
     EngineCard,
@@ -92,9 +92,11 @@ def test_issue_ticket_is_the_ticket_every_rank_holds():
     card = _card()
     blocks = [[3, 4], [7], [8], [9]]
     ticket = issue_ticket(card, "req-1", blocks, 20, nonce=BIG)
-    assert ticket == wire.Ticket(engine_id="prefill-a", incarnation=(1 << 62) + 7, addresses=card.addresses,
-                                 tp_size=2, request_id="req-1", nonce=BIG, block_ids=((3, 4), (7,), (8,), (9,)),
-                                 num_tokens=20, state_position=20, lease_s=120.0)
+    assert ticket == claims.sign(wire.Ticket(engine_id="prefill-a", incarnation=(1 << 62) + 7,
+                                             addresses=card.addresses, tp_size=2, request_id="req-1", nonce=BIG,
+                                             block_ids=((3, 4), (7,), (8,), (9,)), num_tokens=20, state_position=20,
+                                             lease_s=120.0), None)  # signed (engine/claims.py)
+    assert ticket.mac and claims.mac_ok(ticket, None)
     assert wire.decode_ticket(wire.encode_ticket(ticket)) == ticket
 
 

@@ -44,7 +44,7 @@ from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, CopyTicket
 from hybrid_transfer.engine.pack.stager import STAGING_MODES
 from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
 from hybrid_transfer.engine.pack.steps import SETTLED, SourceStep, step_to
-from hybrid_transfer.engine.side_channel import HandshakeClient
+from hybrid_transfer.engine.side_channel import Curve, HandshakeClient
 from hybrid_transfer.engine.state import ReadState, XferState
 from hybrid_transfer.errors import EngineError, HybridTransferError, WireDecodeError
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
@@ -95,7 +95,7 @@ class PackReader:
     """A consumer rank's pack reads, staging pool and per-request timings."""
 
     def __init__(self, agent: NixlAgent, cache: HybridCache, config: EngineConfig, digest: str,
-                 clock: Callable[[], float]):
+                 clock: Callable[[], float], *, curve: Curve | None = None):
         self._agent = agent
         self._clock = clock  # read afresh after copies: on CPU a READ or a scatter runs inside the call
         self._rank = cache.geometry.tp_rank
@@ -115,7 +115,7 @@ class PackReader:
         agent.register_more([self.pool.region])
         self._device_id = self.pool.region.device_id
         self._copier = Copier(Arena(cache.tensors))
-        self._client = HandshakeClient()
+        self._client = HandshakeClient(curve)  # CURVE when the side channel is encrypted
         if config.mode is PlanMode.AUTO and config.cost is None and config.calibrate:
             self.cost = cost_model(calibrate(agent, self.pool, self._copier))
 

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from hybrid_transfer.engine.auth import load_secret
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.tickets import EngineCard, decode_rank_card
 from hybrid_transfer.errors import UnsupportedError
@@ -84,8 +85,9 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = next(groups[g].kv_cache_spec.block_size for g, attn in
                               zip(kv_cache_config.transfer_group_ids, _attention_flags(kv_cache_config), strict=True)
                               if attn)
-            EngineConfig.from_dict(self._extra)  # a bad setting fails the engine at start, not at the first request
-            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, group_map, block_size)
+            config = EngineConfig.from_dict(self._extra)  # a bad setting fails the engine at start, not later
+            self._scheduler = SchedulerSide(vllm_config, kv_cache_config, group_map, block_size,
+                                            secret=load_secret(config.secret_file))
 
     # ==== worker side ==================================================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

@@ -47,8 +47,9 @@ class SchedulerSide:
     """Scheduler-side state of one engine; the connector class forwards vLLM's hooks here."""
 
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group_map: GroupMap,
-                 attention_block_size: int):
+                 attention_block_size: int, *, secret: bytes | None = None):
         self.kv_cache_config = kv_cache_config
+        self._secret = secret  # keys the tickets' MACs (engine/claims.py); the workers check them with theirs
         self.group_map = group_map
         self.block_size = attention_block_size
         # Hybrids stop one token early (the decode side needs h(N-1)); attention-only models do not.
@@ -91,7 +92,7 @@ class SchedulerSide:
         ours = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(block_ids))
         num_tokens = request.num_computed_tokens
         ours = self._clip(ours, num_tokens)
-        ticket = issue_ticket(self.card, request.request_id, ours, num_tokens)
+        ticket = issue_ticket(self.card, request.request_id, ours, num_tokens, secret=self._secret)
         self._holds[request.request_id] = ticket
         return True, kvp.prefill_result(ticket)
 

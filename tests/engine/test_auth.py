@@ -1,0 +1,374 @@
+"""Authentication with a shared secret (issue 14, rows 1 and 3): handshakes, sealed notifications, rank binding.
+
+Unit tests of engine/auth.py and the listener's challenge-response without sockets; a forged
+handshake against a real producer's side channel; then real NIXL agents in separate processes
+(harness workers) with the secret on: a read that moves and verifies bytes, while forged,
+replayed, unsealed and rank-spoofing notifications under the real agents' names are dropped and
+counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import pytest
+import zmq
+from auth_ops import record_sends, rejections, replay_sent, sealed_notify
+from harness import TINY, RankSpec, hold_everywhere, raw_notify, start_consumers, start_producers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hybrid_transfer.cache import HybridCache
+from hybrid_transfer.engine import Consumer, EngineConfig, Producer, auth, handshake, wire
+from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, ProducerCard
+from hybrid_transfer.errors import ConfigError, HandshakeError, WireDecodeError
+from hybrid_transfer.layout import RankGeometry, fingerprint_of, model_from_config
+from hybrid_transfer.plan.rank import describe_rank
+from hybrid_transfer.verify import RequestLayout
+
+MODEL = model_from_config(TINY, name="tiny")
+GEOMETRY = RankGeometry(MODEL, 1, 0)
+DIGEST = fingerprint_of(GEOMETRY).digest()
+SECRET = b"s3cret-for-tests-0123456789abcdef"
+WAIT_S = 20.0
+
+
+@pytest.fixture
+def secret_file(tmp_path):
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET + b"\n")
+    return str(path)
+
+
+# ---- engine/auth.py ----------------------------------------------------------------------------
+
+
+def test_the_secret_comes_from_the_file_else_the_environment_and_is_never_in_an_error(tmp_path, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    assert auth.load_secret(None) is None
+    monkeypatch.setenv(auth.SECRET_ENV, " env-secret-0123456789 ")
+    assert auth.load_secret(None) == b"env-secret-0123456789"
+    path = tmp_path / "s"
+    path.write_bytes(SECRET)
+    assert auth.load_secret(str(path)) == SECRET  # the file wins
+    path.write_bytes(b"short-secret")
+    with pytest.raises(ConfigError, match="16 to 4096 bytes") as info:
+        auth.load_secret(str(path))
+    assert "short-secret" not in str(info.value)
+    with pytest.raises(ConfigError, match="cannot be read"):
+        auth.load_secret(str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="secret_file"):
+        EngineConfig(secret_file="").validate()
+
+
+def test_a_link_accepts_each_message_once_in_order_and_never_its_own_reflected():
+    key = b"k" * 32
+    consumer, producer = auth.Link.for_consumer(key), auth.Link.for_producer(key)
+    first, second = consumer.seal(b"one"), consumer.seal(b"two")
+    producer.check(*first, b"one")
+    producer.check(*second, b"two")
+    for counter, mac, inner, cause in ((*first, b"one", "replay"), (*second, b"two", "replay"),
+                                       (first[0] + 5, first[1], b"one", "mac"), (*second, b"tw0", "mac")):
+        with pytest.raises(auth.Rejected) as info:
+            producer.check(counter, mac, inner)
+        assert info.value.cause == cause
+    reply = producer.seal(b"back")
+    with pytest.raises(auth.Rejected, match="mac"):  # a producer's message sent back to it
+        producer.check(*reply, b"back")
+    consumer.check(*reply, b"back")
+    with pytest.raises(auth.Rejected, match="mac"):  # another link's key
+        auth.Link.for_producer(b"x" * 32).check(*consumer.seal(b"m"), b"m")
+
+
+def test_challenges_are_single_use_bounded_and_expire():
+    now = [0.0]
+    table = auth.Challenges(lambda: now[0], deadline_s=10.0, capacity=2)
+    sn = table.issue("a", b"n" * 32)
+    assert table.take("a", b"n" * 32, sn) and not table.take("a", b"n" * 32, sn)
+    old = table.issue("a", b"1" * 32)
+    table.issue("b", b"2" * 32)
+    table.issue("c", b"3" * 32)
+    assert len(table) == 2 and not table.take("a", b"1" * 32, old)  # evicted by the cap
+    late = table.issue("d", b"4" * 32)
+    now[0] = 10.0
+    assert not table.take("d", b"4" * 32, late)
+
+
+# ---- the listener's challenge-response, without sockets ----------------------------------------------
+
+
+def _card() -> ProducerCard:
+    return ProducerCard(MODEL, fingerprint_of(GEOMETRY), describe_rank(GEOMETRY, [1 << 20, 1 << 24], 8),
+                        "prefill-p0", b"metadata", "prefill", 11, ("tcp://127.0.0.1:1",))
+
+
+def _request(**auth_fields) -> bytes:
+    return handshake.make_request(fingerprint_of(GEOMETRY), describe_rank(GEOMETRY, [1 << 28, 1 << 30], 16),
+                                  "decode-c0", "decode", **auth_fields)
+
+
+def _secured() -> ListenerAuth:
+    return ListenerAuth(SECRET, auth.Challenges(time.monotonic, 60.0, 16))
+
+
+def test_metadata_goes_only_to_a_consumer_that_proved_the_secret():
+    card, stats, accepted, secured = _card(), ListenerStats(), [], _secured()
+
+    def ask(data: bytes):
+        return wire.decode(handshake.answer(card, data, stats, lambda *a: accepted.append(a), secured))[1]
+
+    # Row 1: a peer that knows only the port (no nonce, no proof) gets a refusal naming nothing of ours.
+    refusal = ask(_request())
+    assert isinstance(refusal, wire.HandshakeReply) and not refusal.accepted and not refusal.agent_metadata
+    assert refusal.engine_id == "" and refusal.rank is None and "authentication" in refusal.error
+    cn = auth.new_nonce()
+    challenge = ask(_request(client_nonce=cn))
+    assert isinstance(challenge, wire.AuthChallenge) and challenge.agent_name == "prefill-p0"
+    assert challenge.proof == auth.proof(SECRET, "producer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
+    wrong = auth.proof(b"another-secret-0123456789", "consumer", cn, challenge.server_nonce, "prefill-p0",
+                       "decode-c0")
+    assert not ask(_request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=wrong)).accepted
+    # A refused proof used up the challenge: even the right proof now needs a new one.
+    right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
+    assert not ask(_request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=right)).accepted
+    challenge = ask(_request(client_nonce=cn))
+    right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
+    second = _request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=right)
+    reply = ask(second)
+    assert reply.accepted and reply.agent_metadata == b"metadata"
+    assert accepted == [("decode-c0", auth.link_key(SECRET, cn, challenge.server_nonce, "prefill-p0", "decode-c0"))]
+    assert not ask(second).accepted  # replaying the proven request gets nothing
+    assert (stats.accepted, stats.rejected, secured.challenged, secured.unauthenticated) == (1, 4, 2, 4)
+
+
+# ---- a forged handshake against a real producer's side channel ----------------------------------------
+
+
+def _raw_exchange(address: str, data: bytes) -> object:
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send(data)
+        assert sock.poll(int(WAIT_S * 1000)), "no answer"
+        return wire.decode(sock.recv())[1]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_a_forger_that_knows_only_the_port_gets_no_metadata(secret_file, caplog):
+    caplog.set_level(logging.DEBUG)
+    with Producer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file)) as producer:
+        reply = _raw_exchange(producer.address, _request())
+        assert isinstance(reply, wire.HandshakeReply) and not reply.accepted
+        assert reply.agent_metadata == b"" and reply.engine_addresses == () and reply.agent_name == ""
+        # Guessing at the challenge does not help either.
+        cn = auth.new_nonce()
+        challenge = _raw_exchange(producer.address, _request(client_nonce=cn))
+        assert isinstance(challenge, wire.AuthChallenge)
+        guess = _raw_exchange(producer.address, _request(client_nonce=cn, server_nonce=challenge.server_nonce,
+                                                         proof=b"\x00" * 32))
+        assert isinstance(guess, wire.HandshakeReply) and not guess.accepted and guess.agent_metadata == b""
+        assert producer.num_pending_handshakes == 0 and producer.listener_stats.accepted == 0
+    assert SECRET.decode() not in caplog.text
+
+
+def test_a_secret_on_one_side_only_is_refused_both_ways(secret_file, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    cache = HybridCache.allocate(GEOMETRY, 8)
+    with Producer(cache, EngineConfig(secret_file=secret_file)) as producer, Consumer(
+            HybridCache.allocate(GEOMETRY, 8), EngineConfig()) as consumer:
+        with pytest.raises(HandshakeError, match="requires authentication"):
+            consumer.connect(producer.address, timeout_s=WAIT_S)
+    with Producer(cache, EngineConfig()) as producer, Consumer(
+            HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file)) as consumer:
+        with pytest.raises(HandshakeError, match="without proving the shared secret"):  # no downgrade
+            consumer.connect(producer.address, timeout_s=WAIT_S)
+
+
+def test_without_a_secret_one_warning_says_so(monkeypatch, caplog):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    monkeypatch.setattr(auth, "_warned_open", False)
+    caplog.set_level(logging.WARNING, logger="hybrid_transfer.engine.auth")
+    with Producer(HybridCache.allocate(GEOMETRY, 8)), Producer(HybridCache.allocate(GEOMETRY, 8)):
+        pass
+    lines = [r for r in caplog.records if "no shared secret" in r.getMessage()]
+    assert len(lines) == 1 and "read and write registered memory" in lines[0].getMessage()
+
+
+# ---- real NIXL agents across processes, secret on --------------------------------------------------
+
+
+def _stats(worker, key, producer: bool) -> dict:
+    return worker.call("producer_status" if producer else "consumer_status", key)["stats"]
+
+
+def _wait(worker, key, producer: bool, **expected) -> dict:
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        stats = _stats(worker, key, producer)
+        if all(stats[k] == v for k, v in expected.items()) or time.monotonic() > deadline:
+            assert {k: stats[k] for k in expected} == expected
+            return stats
+        worker.call("settle", 0.02)
+
+
+def test_forged_replayed_and_rank_spoofing_notifications_are_dropped_and_counted(cluster, secret_file):
+    """1 -> 2 fan-out with a secret (and the side channel under CURVE): the producer frees only after both
+    real ranks read (row 3)."""
+    config = EngineConfig(secret_file=secret_file, side_channel_curve=True)
+    p_worker, c_workers = cluster.workers[0], cluster.workers[1:3]
+    producers = start_producers([p_worker], [RankSpec(TINY, 1, 0, 16)], config)
+    consumers = start_consumers(c_workers, [RankSpec(TINY, 2, r, 16) for r in range(2)], config)
+    try:
+        layout = RequestLayout(((0, 1), (2,), (3,), (4,)), 20)
+        ticket = wire.decode_ticket(hold_everywhere(producers, "r", layout, seed=9))
+        pk, p_status = producers.keys[0], p_worker.call("producer_status", producers.keys[0])
+        name, digest = p_status["agent_name"], p_status["digest"]
+        (c0, c1), (k0, k1) = consumers.workers, consumers.keys
+        c0.call("call", record_sends, k0)
+        for w, k in zip(consumers.workers, consumers.keys, strict=True):
+            w.call("connect", k, producers.addresses[0], WAIT_S)
+        _wait(p_worker, pk, True, hellos=2)
+        assert p_worker.call("producer_status", pk)["listener"]["accepted"] == 2
+
+        def completion(**changes):
+            fields = dict(request_id="r", nonce=ticket.nonce, consumer_rank=0, expected_consumers=2) | changes
+            return wire.encode(wire.Completion(**fields), digest)
+
+        # Under c0's own agent name, with the ticket's nonce: an unsealed completion and an unsealed Bye, a
+        # sealed one with a made-up MAC, a properly sealed one that claims rank 1, and a heartbeat replayed.
+        c0.call("call", raw_notify, k0, name, completion())
+        c0.call("call", raw_notify, k0, name, wire.encode(wire.Bye(consumer_rank=0), digest))
+        forged = wire.Sealed(counter=1 << 40, mac=b"\x01" * 32, message=completion())
+        c0.call("call", raw_notify, k0, name, wire.encode(forged, digest))
+        assert c0.call("call", sealed_notify, k0, name, completion(consumer_rank=1, expected_consumers=2))
+        heartbeat = wire.Heartbeat(consumer_rank=0, requests=(wire.RequestRef("r", ticket.nonce),))
+        assert c0.call("call", sealed_notify, k0, name, wire.encode(heartbeat, digest))
+        _wait(p_worker, pk, True, renewals=1)
+        assert c0.call("call", replay_sent, k0, "HEARTBEAT") == 1
+        assert c0.call("call", replay_sent, k0, "HELLO") == 1
+        stats = _wait(p_worker, pk, True, rejected=6)
+        assert p_worker.call("call", rejections, pk) == {"unsealed": 2, "mac": 1, "rank": 1, "replay": 2}
+        assert stats["completions"] == 0 and stats["byes"] == 0 and stats["renewals"] == 1
+        assert p_worker.call("producer_status", pk, ["r"])["held"] == ["r"]
+        # The producer's side: an unsealed Revoke under the producer's agent name is dropped by c1.
+        c1_name = c1.call("consumer_status", k1)["agent_name"]
+        p_worker.call("call", raw_notify, pk, c1_name, wire.encode(
+            wire.Revoke(request=wire.RequestRef("r", ticket.nonce), lease_s=60.0), digest))
+        _wait(c1, k1, False, rejected=1)
+        # The real reads: both DONE with the right bytes, and only then is the request freed, once.
+        for w, k, local in ((c0, k0, [[0, 1, 2], [3], [4], [5]]), (c1, k1, [[6, 7, 8], [9], [10], [11]])):
+            w.call("start_read", k, wire.encode_ticket(ticket), local, 20)
+        for w, k, local in ((c0, k0, ((0, 1, 2), (3,), (4,), (5,))), (c1, k1, ((6, 7, 8), (9,), (10,), (11,)))):
+            assert w.call("wait_done", k, ["r"], WAIT_S)[0].state == "done"
+            w.call("check", k, [(RequestLayout(local, 20), 9)])
+        assert p_worker.call("wait_freed", pk, ["r"], WAIT_S) == ["r"]
+        stats = _stats(p_worker, pk, True)
+        assert stats["completions"] == 2 and stats["freed"] == 1 and stats["malformed"] == 0
+    finally:
+        producers.close()
+        consumers.close()
+
+
+# ---- fuzzed decoders of the new messages -------------------------------------------------------------
+
+NEW_BODIES = [
+    wire.AuthChallenge(server_nonce=b"s" * 32, proof=b"p" * 32, agent_name="prefill-p0"),
+    wire.Sealed(counter=7, mac=b"m" * 32, message=wire.encode(wire.Bye(consumer_rank=0), DIGEST)),
+    wire.HandshakeRequest(fingerprint=fingerprint_of(GEOMETRY), rank=describe_rank(GEOMETRY, [4096, 1 << 20], 8),
+                          agent_name="d", engine_id="e", client_nonce=b"c" * 32, server_nonce=b"s" * 32,
+                          proof=b"p" * 32),
+]
+
+
+@pytest.mark.parametrize("body", NEW_BODIES, ids=lambda b: type(b).__name__)
+def test_the_new_messages_round_trip_and_every_truncation_is_our_error(body):
+    data = wire.encode(body, DIGEST)
+    assert wire.decode(data)[1] == body
+    for cut in range(len(data)):
+        with pytest.raises(WireDecodeError):
+            wire.decode(data[:cut])
+
+
+def test_oversized_nonces_and_macs_are_refused_while_decoding():
+    too_long = msgspec.msgpack.encode(wire.AuthChallenge(server_nonce=b"s" * 65, proof=b"p", agent_name="a"))
+    env = wire.Envelope(wire.PROTOCOL_VERSION, DIGEST, wire.Kind.AUTH_CHALLENGE, too_long)
+    with pytest.raises(WireDecodeError, match="server_nonce"):
+        wire.decode(msgspec.msgpack.encode(env))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_fuzzed_new_messages_decode_or_raise_our_error(data):
+    body = data.draw(st.sampled_from(NEW_BODIES))
+    raw = bytearray(wire.encode(body, DIGEST))
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(raw) - 1))
+        raw[i] ^= 1 << data.draw(st.integers(0, 7))
+    try:
+        wire.decode(bytes(raw))
+    except WireDecodeError:
+        pass
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, (1 << 63) - 1), st.binary(max_size=64), st.binary(max_size=256))
+def test_a_fuzzed_sealed_message_fails_the_link_check_and_nothing_else(counter, mac, inner):
+    link = auth.Link.for_producer(b"k" * 32)
+    data = wire.encode(wire.Sealed(counter=counter, mac=mac, message=inner), DIGEST)
+    sealed = wire.decode(data, wire.Kind.SEALED)[1]
+    with pytest.raises(auth.Rejected):
+        link.check(sealed.counter, sealed.mac, sealed.message)
+
+
+# ---- optional CURVE encryption of the side channel -----------------------------------------------------
+
+
+def test_curve_needs_a_secret(monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    with pytest.raises(ConfigError, match="side_channel_curve"):
+        Producer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(side_channel_curve=True))
+
+
+def test_with_curve_only_peers_that_know_the_secret_are_answered(secret_file, monkeypatch):
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    curve = EngineConfig(secret_file=secret_file, side_channel_curve=True)
+    with Producer(HybridCache.allocate(GEOMETRY, 8), curve) as producer:
+        # A plain ZeroMQ peer gets no answer at all (the CURVE handshake never completes).
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(producer.address)
+            sock.send(_request())
+            assert not sock.poll(1000)
+        finally:
+            ctx.destroy(linger=0)
+        # A consumer with the secret but without CURVE cannot handshake either.
+        with Consumer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file)) as plain:
+            with pytest.raises(HandshakeError):
+                plain.connect(producer.address, timeout_s=1.0)
+        with Consumer(HybridCache.allocate(GEOMETRY, 8), curve) as consumer:
+            consumer.connect(producer.address, timeout_s=WAIT_S)
+        assert producer.listener_stats.accepted == 1
+
+
+def test_pack_mode_staging_queries_travel_under_curve(cluster, secret_file):
+    """The consumer's staging queries use the encrypted side channel too: every source is read packed."""
+    from pack_ops import run_pack
+    from test_transfer import TOPOLOGIES
+
+    from hybrid_transfer.plan.types import PlanMode
+
+    p, d, p_opts, c_opts = TOPOLOGIES["1->2"]
+    config = EngineConfig(mode=PlanMode.PACK, staging_bytes=1 << 20, secret_file=secret_file, side_channel_curve=True)
+    tokens = (37, 64, 1, 0, 100)
+    results, _, c_status, _ = run_pack(cluster, p, d, p_opts, c_opts, config, token_counts=tokens)
+    for per_rank in results:
+        assert [(r.num_packed_sources, r.num_fallback_sources) for r in per_rank] == [
+            (1 if n else 0, 0) for n in tokens]
+    assert all(s["stats"]["fallback_absent"] == 0 for s in c_status), c_status
