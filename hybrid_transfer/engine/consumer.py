@@ -148,7 +148,7 @@ class Consumer:
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
                                 clock, self.config.handshake_timeout_s, self._secret, curve=curve)
             # Pack mode (staging reads, engine/pack/reader.py) and every request's timings.
-            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock, curve=curve)
+            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
         except BaseException:
             self.close()
             raise
@@ -278,7 +278,7 @@ class Consumer:
         # Also progresses NIXL (progress thread OFF): flushes our notifications, serves peers' wire-up.
         # Revocations are taken in before any READ is judged DONE (see the module docstring).
         self._take_notifications()
-        self._pack.receive()
+        self._pack.expire_waits()  # pack: sources whose Staged notification never came read directly
         now = self._clock()
         self._tombstones.prune(now)
         with self.agent.one_check_per_handle():  # pack's and this loop's checks share one NIXL query a poll
@@ -615,6 +615,9 @@ class Consumer:
                 self._revoke(ref, sender, now + body.lease_s)
             if record.stage is PeerStage.GREETED:
                 advance(record, PeerStage.WELCOMED, now)
+            self._pack.on_welcome(sender, body.stages)
+        elif isinstance(body, wire.Staged):  # pack: where the producer rank staged a request (engine/pack/)
+            self._pack.on_staged(sender, body)
         elif isinstance(body, wire.ClaimReply):
             self._on_claim_reply(sender, body, now)
         elif isinstance(body, wire.Revoke):

@@ -185,9 +185,6 @@ class Producer:
     def _respond(self, data: bytes) -> bytes | None:
         """Runs on the listener thread."""
         card = self._card  # set before the listener starts
-        staged = self.stager.respond(data) if self.stager is not None else None
-        if staged is not None:
-            return staged
         return answer(card, data, self.listener_stats, self._pending.add,
                       self.listener_auth) if card is not None else None
 
@@ -248,6 +245,7 @@ class Producer:
                                            num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
+            self._announce_staged()  # CPU: the gather ran inside stage()
         for sender, completion in self._early.take(request_id, nonce):
             self.stats.early_replayed += 1
             if isinstance(completion, wire.Claim):
@@ -395,6 +393,7 @@ class Producer:
                 self._send_revokes(hold, set(self._peers))
         released = self._book.pop_released()
         if self.stager is not None:
+            self._announce_staged()  # gathers seen done (CUDA: events)
             for request_id in released:
                 self.stager.release(request_id)
         self.stats.freed += len(released)
@@ -572,12 +571,24 @@ class Producer:
                               sender, name)
             return
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
-        if self._notify(sender, wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s)), record):
+        welcome = wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s), stages=self.stager is not None)
+        if self._notify(sender, welcome, record):
             if record.stage is PeerStage.HANDSHAKEN:  # a first Hello, or one after a new handshake
                 advance(record, PeerStage.WELCOMED, self._clock())
                 self._peers[sender] = record
                 self._pending.discard(sender)
             self.stats.hellos += 1
+            for staged in self.stager.current() if self.stager is not None else ():  # pack: what it missed
+                self._notify(sender, staged, record)
+
+    def _announce_staged(self) -> None:
+        """Pack: tell every welcomed consumer agent where each request whose gather just finished is staged.
+
+        Every agent, because which consumer reads a request is unknown here (engine/pack/stager.py).
+        """
+        for staged in self.stager.ready():
+            for agent in list(self._peers):
+                self._notify(agent, staged)
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
         message = wire.Revoke(request=wire.RequestRef(hold.request_id, hold.nonce), lease_s=float(self.config.lease_s))

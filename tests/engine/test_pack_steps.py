@@ -11,14 +11,14 @@ from hybrid_transfer.errors import RequestStateError
 
 
 def test_a_staged_source_goes_read_scatter_done():
-    source = SimpleNamespace(step=SourceStep.QUERYING)
+    source = SimpleNamespace(step=SourceStep.WAITING)
     for step in (SourceStep.READING, SourceStep.SCATTERING, SourceStep.DONE):
         step_to(source, step)
     assert source.step in SETTLED
 
 
 @pytest.mark.parametrize(("start", "bad"), [
-    (SourceStep.QUERYING, SourceStep.SCATTERING),  # nothing was read
+    (SourceStep.WAITING, SourceStep.SCATTERING),  # nothing was read
     (SourceStep.READING, SourceStep.DIRECT),  # a staged READ is in flight: no second read of the same bytes
     (SourceStep.DONE, SourceStep.READING),
     (SourceStep.DIRECT, SourceStep.READING),

@@ -2,27 +2,29 @@
 
 The plan (plan/planner.py) decides per source: a SourcePlan is read directly, a PackSourcePlan
 through the source's staging (its read ranges and scatter pieces are the plan's; nothing is
-mapped here). The producer side and the protocol are in stager.py. A staged source's steps
-(steps.py, changed only through ``step_to``):
+mapped here). The producer side is stager.py: when a source's gather is done it sends every
+consumer agent it welcomed a Staged notification with the staged range (no query round trip).
+A staged source's steps (steps.py, changed only through ``step_to``):
 
-  QUERYING    a StagingQuery went to the source rank's side channel
-  READING     READY came back: a slice of this rank's pool is taken and one READ of the plan's
-              ranges (at most two) is posted into it
+  WAITING     the source's Staged notification has not arrived yet (it often has: then this
+              step is skipped); kept here when it arrives first, bounded (NOTE_LIMIT)
+  READING     READY: a slice of this rank's pool is taken and one READ of the plan's ranges (at
+              most two) is posted into it
   SCATTERING  the READ is DONE: one index kernel copies the slice into the local blocks
   DONE        the scatter has finished (CUDA: its event completed)
   DIRECT      fallback: the plan's direct rows went out as one READ, because the source staged
-              nothing (ABSENT: its pool was full), does not stage at all (an ErrorReply: a
-              producer not in pack or auto mode), this rank's pool had no room (fallback, never a
-              wait: see config.py), or the source's staged size disagreed with the plan's (a bug,
-              logged as a warning)
+              nothing (ABSENT: its pool was full), does not stage at all (its Welcome said so),
+              this rank's pool had no room (fallback, never a wait: see config.py), the staged
+              size disagreed with the plan's (a bug, logged as a warning), or no notification came
+              within STAGED_WAIT_S (it was dropped: a full notification backlog, or evicted here)
 
 Every fallback is counted (PackStats, ReadResult.num_fallback_sources). A producer rank that does
 not stage is named once in the log (a warning) and in every ReadResult it serves
-(``unstaged_sources``); later requests read from it directly without asking again. The consumer notifies
-only once every source is DONE or DIRECT with its READ done, so completion follows the scatter.
-Slices are freed in ``forget``, once the request is terminal (no handle can write them), after
-waiting for any scatter still queued. Owned by the consumer's owner thread; it also keeps the
-timings every request reports (post, READs done, gather and scatter times).
+(``unstaged_sources``). The consumer notifies only once every source is DONE or DIRECT with its
+READ done, so completion follows the scatter. Slices are freed in ``forget``, once the request is
+terminal (no handle can write them), after waiting for any scatter still queued. Owned by the
+consumer's owner thread; it also keeps the timings every request reports (post, READs done,
+gather and scatter times).
 """
 
 from __future__ import annotations
@@ -44,12 +46,14 @@ from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, CopyTicket
 from hybrid_transfer.engine.pack.stager import STAGING_MODES
 from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
 from hybrid_transfer.engine.pack.steps import SETTLED, SourceStep, step_to
-from hybrid_transfer.engine.side_channel import Curve, HandshakeClient
 from hybrid_transfer.engine.state import ReadState, XferState
-from hybrid_transfer.errors import EngineError, HybridTransferError, WireDecodeError
+from hybrid_transfer.errors import EngineError, HybridTransferError
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
 
 log = logging.getLogger(__name__)
+
+NOTE_LIMIT = 4096  # Staged notifications kept for requests not posted yet (every welcomed agent gets each)
+STAGED_WAIT_S = 1.0  # a posted source waits this long for its Staged notification, then reads directly
 
 
 @dataclass
@@ -58,10 +62,12 @@ class PackStats:
     fallback_absent: int = 0  # the source staged nothing for this request (its pool was full)
     fallback_unstaged: int = 0  # the source does not stage at all (not in pack or auto mode)
     fallback_pool_full: int = 0  # this rank's pool had no room for the read
-    fallback_mismatch: int = 0  # the source's staged size or layout disagreed with ours
-    queries_sent: int = 0
-    pending_replies: int = 0  # the source's gather was still running: asked again
-    stray_replies: int = 0  # for requests no longer tracked
+    fallback_mismatch: int = 0  # the source's staged size disagreed with the plan's
+    fallback_unannounced: int = 0  # no Staged notification within STAGED_WAIT_S
+    notes: int = 0  # Staged notifications taken in
+    notes_ready: int = 0  # ... already there when the source was posted (no wait at all)
+    notes_waited: int = 0  # ... that a posted source was waiting for
+    notes_evicted: int = 0  # ... dropped unused: NOTE_LIMIT reached (requests other engines read)
 
 
 @dataclass(eq=False)
@@ -69,13 +75,13 @@ class _Source:
     plan: PackSourcePlan  # the planner's: read ranges of the source's staging, scatter pieces, direct rows
     address: str
     peer: str
-    step: SourceStep = SourceStep.QUERYING
+    step: SourceStep = SourceStep.WAITING
     piece: StagingSlice | None = None
     handle: XferHandle | None = None
     copy: CopyTicket | None = None
     gather_s: float = 0.0
-    asked_at: float | None = None  # first StagingQuery
-    answered_at: float | None = None  # READY / ABSENT taken in (PENDING asks again)
+    posted_at: float = 0.0
+    answered_at: float | None = None  # its Staged notification taken in
     read_posted_at: float | None = None
 
 
@@ -95,7 +101,7 @@ class PackReader:
     """A consumer rank's pack reads, staging pool and per-request timings."""
 
     def __init__(self, agent: NixlAgent, cache: HybridCache, config: EngineConfig, digest: str,
-                 clock: Callable[[], float], *, curve: Curve | None = None):
+                 clock: Callable[[], float]):
         self._agent = agent
         self._clock = clock  # read afresh after copies: on CPU a READ or a scatter runs inside the call
         self._rank = cache.geometry.tp_rank
@@ -106,16 +112,16 @@ class PackReader:
         self.cost = cost_model(config.cost or CostParams())
         self.pool: StagingPool | None = None
         self._tracks: dict[str, _Track] = {}
-        self._asked: dict[str, collections.deque] = {}  # address -> (request id, source rank), in send order
-        self._unstaged: dict[tuple, str] = {}  # (engine key, source rank) -> why that rank does not stage for us
-        self._client: HandshakeClient | None = None
+        self._stages: dict[str, bool] = {}  # producer agent -> whether it stages (its Welcome)
+        self._warned: set[str] = set()  # producer agents named once as not staging
+        self._notes: collections.OrderedDict = collections.OrderedDict()  # (agent, request id) -> Staged
+        self._waiting: dict[tuple[str, str], tuple[_Track, _Source]] = {}  # (agent, request id) -> waiter
         if not self.enabled:
             return
         self.pool = StagingPool(config.staging_bytes, cache.device)
         agent.register_more([self.pool.region])
         self._device_id = self.pool.region.device_id
         self._copier = Copier(Arena(cache.tensors))
-        self._client = HandshakeClient(curve)  # CURVE when the side channel is encrypted
         if config.mode is PlanMode.AUTO and config.cost is None and config.calibrate:
             self.cost = cost_model(calibrate(agent, self.pool, self._copier))
 
@@ -142,80 +148,77 @@ class PackReader:
         return False
 
     def _start_staged(self, req: Any, src: PackSourcePlan, link: Any) -> None:
-        source = _Source(src, req.ticket.addresses[src.source_rank], link.agents[src.source_rank])
+        peer = link.agents[src.source_rank]
+        source = _Source(src, req.ticket.addresses[src.source_rank], peer, posted_at=self._clock())
         track = self._tracks[req.request_id]
         track.sources[src.source_rank] = source
-        if (req.ticket.engine_key, src.source_rank) in self._unstaged:  # said so once already: no query
-            track.unstaged.append(src.source_rank)
+        if not self._stages.get(peer, False):  # its Welcome said it does not stage: no notification comes
+            self._note_unstaged(track, source)
             self._fallback(track, source, "fallback_unstaged")
             return
-        self._ask(req, source)
+        key = (peer, req.request_id)
+        note = self._notes.pop(key, None)
+        if note is not None and note.nonce == req.ticket.nonce:
+            self.stats.notes_ready += 1
+            self._on_note(track, source, note)
+        else:
+            self._waiting[key] = (track, source)
 
-    def _ask(self, req: Any, source: _Source) -> None:
-        t = req.ticket
-        query = wire.StagingQuery(request_id=t.request_id, nonce=t.nonce, consumer_rank=self._rank)
-        self._client.send(source.address, wire.encode(query, self._digest))
-        if source.asked_at is None:
-            source.asked_at = self._clock()
-        self._asked.setdefault(source.address, collections.deque()).append((t.request_id, source.plan.source_rank))
-        self.stats.queries_sent += 1
+    # ---- notifications ----------------------------------------------------------------
+    def on_welcome(self, peer: str, stages: bool) -> None:
+        """A producer agent's Welcome: whether it stages (and so sends a Staged for every request)."""
+        self._stages[peer] = stages
 
-    # ---- replies ----------------------------------------------------------------------
-    def receive(self) -> None:
-        """Take in every staging reply that has arrived and act on it (post a READ, or fall back)."""
-        if self._client is None:
+    def on_staged(self, peer: str, note: wire.Staged) -> None:
+        """A producer agent says where it staged a request: post the waiting source's READ, or keep it."""
+        self.stats.notes += 1
+        if not self.enabled:
             return
-        for address, data in self._client.receive(0):
-            asked = self._asked.get(address)
-            try:
-                body = wire.decode(data)[1]
-            except WireDecodeError:
-                body = None
-            key = None
-            if asked:
-                if isinstance(body, wire.StagingReply):
-                    key = next((k for k in asked if k[0] == body.request_id), None)
-                    if key is not None:
-                        asked.remove(key)
-                else:  # an ErrorReply names no request: replies come back in the order asked
-                    key = asked.popleft()
-            track = self._tracks.get(key[0]) if key else None
-            source = track.sources.get(key[1]) if track else None
-            if source is None or source.step is not SourceStep.QUERYING:
-                self.stats.stray_replies += 1
-                continue
+        key = (peer, note.request_id)
+        waiter = self._waiting.get(key)
+        if waiter is not None and waiter[0].req.ticket.nonce == note.nonce:
+            del self._waiting[key]
+            self.stats.notes_waited += 1
+            # A request already ending (failed, aborted, revoked) posts nothing: its quarantine would wait for it.
+            if waiter[0].req.state is ReadState.READING:
+                self._on_note(*waiter, note)
+            return
+        self._notes[key] = note
+        self._notes.move_to_end(key)
+        while len(self._notes) > NOTE_LIMIT:
+            self._notes.popitem(last=False)
+            self.stats.notes_evicted += 1
+
+    def expire_waits(self) -> None:
+        """Sources that waited STAGED_WAIT_S for their notification read directly (it was dropped)."""
+        if not self._waiting:
+            return
+        now = self._clock()
+        for key, (track, source) in list(self._waiting.items()):
             if track.req.state is not ReadState.READING:
-                # The request is ending (failed, aborted, revoked): posting now would only add a handle
-                # its quarantine must wait for.
-                self.stats.stray_replies += 1
-                continue
-            self._on_reply(track, source, body)
+                del self._waiting[key]  # ending: nothing more to post
+            elif now - source.posted_at >= STAGED_WAIT_S:
+                del self._waiting[key]
+                log.warning("request %r, source %s: no Staged notification after %.3f s; reading it directly",
+                            track.req.request_id, source.address, STAGED_WAIT_S)
+                self._fallback(track, source, "fallback_unannounced")
 
-    def _on_reply(self, track: _Track, source: _Source, body: Any) -> None:
-        status = body.status if isinstance(body, wire.StagingReply) else None
-        if status is wire.StagingStatus.PENDING:
-            self.stats.pending_replies += 1
-            self._ask(track.req, source)
-            return
+    def _on_note(self, track: _Track, source: _Source, note: wire.Staged) -> None:
         source.answered_at = self._clock()
-        if status is wire.StagingStatus.READY:
-            self._post_staged(track, source, body)
-        elif isinstance(body, wire.ErrorReply):  # a producer without a stager cannot read the query
-            self._note_unstaged(track, source, body.reason)
-            self._fallback(track, source, "fallback_unstaged")
+        if note.status is wire.StagingStatus.READY:
+            self._post_staged(track, source, note)
         else:
             self._fallback(track, source, "fallback_absent")
 
-    def _note_unstaged(self, track: _Track, source: _Source, reason: str) -> None:
-        key = (track.req.ticket.engine_key, source.plan.source_rank)
-        if key not in self._unstaged:
-            self._unstaged[key] = reason
-            log.warning("producer engine %s rank %d at %s does not stage (its mode is not pack or auto; it "
-                        "answered: %s): this %s consumer reads from it directly", key[0][0],
-                        source.plan.source_rank, source.address, reason, self._config.mode.value)
+    def _note_unstaged(self, track: _Track, source: _Source) -> None:
+        if source.peer not in self._warned:
+            self._warned.add(source.peer)
+            log.warning("producer rank %d at %s (agent %s) does not stage (its mode is not pack or auto): this %s "
+                        "consumer reads from it directly", source.plan.source_rank, source.address, source.peer,
+                        self._config.mode.value)
         track.unstaged.append(source.plan.source_rank)
 
-    def _post_staged(self, track: _Track, source: _Source, reply: wire.StagingReply) -> None:
+    def _post_staged(self, track: _Track, source: _Source, reply: wire.Staged) -> None:
         t = track.req.ticket
         read = source.plan.read
         if source.plan.staged_bytes != reply.nbytes:
@@ -238,8 +241,8 @@ class PackReader:
             return
         source.piece, source.handle, source.gather_s = piece, handle, reply.gather_s
         source.read_posted_at = self._clock()
-        log.debug("request %r source %d: %d ranges, query %.3f ms, post %.3f ms", t.request_id,
-                  source.plan.source_rank, n, 1e3 * (source.answered_at - source.asked_at),
+        log.debug("request %r source %d: %d ranges, waited %.3f ms, post %.3f ms", t.request_id,
+                  source.plan.source_rank, n, 1e3 * (source.answered_at - source.posted_at),
                   1e3 * (source.read_posted_at - source.answered_at))
         step_to(source, SourceStep.READING, t.request_id)
         self.stats.packed_sources += 1
@@ -265,7 +268,7 @@ class PackReader:
             return None
         if track.error is not None:
             return track.error
-        if track.read_done_at is None and all(s.step is not SourceStep.QUERYING for s in track.sources.values()) \
+        if track.read_done_at is None and all(s.step is not SourceStep.WAITING for s in track.sources.values()) \
                 and all(self._agent.check(h) is XferState.DONE for h in req.handles):
             track.read_done_at = self._clock()
         for source in track.sources.values():
@@ -298,8 +301,9 @@ class PackReader:
         return {
             "posted_at": track.posted_at,
             "gather_s": max((s.gather_s for s in track.sources.values()), default=0.0),
-            "query_s": max((s.answered_at - s.asked_at for s in track.sources.values()
-                            if s.answered_at is not None and s.asked_at is not None), default=0.0),
+            # From the post to the source's Staged notification (0 when it had arrived first), slowest source.
+            "query_s": max((s.answered_at - s.posted_at for s in track.sources.values()
+                            if s.answered_at is not None), default=0.0),
             "read_s": (done - track.posted_at) if done is not None else 0.0,
             "scatter_s": track.scatter_s,
             "num_packed_sources": sum(s.handle is not None for s in track.sources.values()),
@@ -313,6 +317,7 @@ class PackReader:
         if track is None:
             return
         for source in track.sources.values():
+            self._waiting.pop((source.peer, request_id), None)
             if source.copy is not None:
                 source.copy.wait()
             if source.piece is not None:
@@ -325,9 +330,8 @@ class PackReader:
                 if source.copy is not None:
                     source.copy.wait()
         self._tracks.clear()
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        self._waiting.clear()
+        self._notes.clear()
 
 
 def _add_handle(req: Any, handle: XferHandle) -> None:

@@ -13,7 +13,7 @@ from hybrid_transfer.errors import RequestStateError
 
 
 class SourceStep(enum.Enum):
-    QUERYING = "querying"  # waiting to learn where the source staged the request
+    WAITING = "waiting"  # for the source's Staged notification: where it staged the request
     READING = "reading"  # one READ of the plan's ranges of the source's staging is in flight
     SCATTERING = "scattering"  # the READ is DONE; the scatter into the local blocks runs
     DONE = "done"  # the scatter finished: the bytes sit in their final place
@@ -21,7 +21,7 @@ class SourceStep(enum.Enum):
 
 
 _EDGES = {
-    SourceStep.QUERYING: frozenset({SourceStep.READING, SourceStep.DIRECT}),
+    SourceStep.WAITING: frozenset({SourceStep.READING, SourceStep.DIRECT}),
     SourceStep.READING: frozenset({SourceStep.SCATTERING}),
     SourceStep.SCATTERING: frozenset({SourceStep.DONE}),
     SourceStep.DONE: frozenset(),
