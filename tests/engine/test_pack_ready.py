@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from api_ops import fill, hold_ticket_and_poll, rank_card
 from harness import TINY, WAIT_POLL_S, RankSpec
-from pack_ops import pack_status, start_engine, wait_results
+from pack_ops import hold_on_every_rank, pack_status, start_engine, wait_results
 from test_transfer import TOPOLOGIES, _layouts
 
 from hybrid_transfer.engine import EngineCard, EngineConfig, encode_ticket, issue_ticket
@@ -95,3 +95,38 @@ def test_pipelined_reads_wait_for_the_staged_range_in_the_ready_notification(clu
     assert status["bytes_in_use"] == 0
     # The side channel served the handshake and nothing else: no staging query crossed it.
     assert channel == [{"accepted": 1, "rejected": 0, "garbage": 0}] * p, channel
+
+
+def drop_announcements(state, key) -> None:
+    """This producer rank stages as usual but never sends its Staged notifications (they get lost)."""
+    state.ranks[key].engine._announce_staged = lambda: None
+
+
+def test_a_lost_notification_costs_a_direct_read_not_the_request(cluster):
+    """No Staged notification within STAGED_WAIT_S: the source is read directly, bitwise exact, counted."""
+    p_specs = [RankSpec(TINY, 1, 0, NUM_BLOCKS)]
+    c_specs = [RankSpec(TINY, 1, 0, NUM_BLOCKS)]
+    config = EngineConfig(mode=PlanMode.PACK, staging_bytes=1 << 20)
+    producers = start_engine(cluster.workers[:1], p_specs, config, "cpu", True)
+    consumers = start_engine(cluster.workers[1:2], c_specs, config, "cpu", False)
+    c_worker, c_key = consumers.workers[0], consumers.keys[0]
+    try:
+        producers.workers[0].call("call", drop_announcements, producers.keys[0])
+        rng = np.random.default_rng(22)
+        remote = _layouts(p_specs[0].geometry(), [37, 64], NUM_BLOCKS, rng, extra=0)
+        local = _layouts(c_specs[0].geometry(), [37, 64], NUM_BLOCKS, rng, extra=1)
+        ids = ["lost-0", "lost-1"]
+        tickets = [hold_on_every_rank(producers, rid, lay, 900 + i) for i, (rid, lay) in enumerate(zip(ids, remote,
+                                                                                                     strict=True))]
+        for ticket, lay in zip(tickets, local, strict=True):
+            c_worker.call("start_read", c_key, ticket, lay.block_ids, lay.num_tokens)
+        results = c_worker.call("call", wait_results, c_key, ids, 60.0)
+        assert [r.state for r in results] == ["done"] * 2, results
+        c_worker.call("check", c_key, [(lay, 900 + i) for i, lay in enumerate(local)])
+        status = c_worker.call("call", pack_status, c_key)
+    finally:
+        producers.close()
+        consumers.close()
+    assert [(r.num_packed_sources, r.num_fallback_sources) for r in results] == [(0, 1)] * 2
+    stats = status["stats"]
+    assert stats["fallback_unannounced"] == 2 and stats["notes"] == 0 and stats["packed_sources"] == 0, stats
