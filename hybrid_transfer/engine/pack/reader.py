@@ -67,7 +67,7 @@ class PackStats:
     notes: int = 0  # Staged notifications taken in
     notes_ready: int = 0  # ... already there when the source was posted (no wait at all)
     notes_waited: int = 0  # ... that a posted source was waiting for
-    notes_evicted: int = 0  # ... dropped unused: NOTE_LIMIT reached (requests other engines read)
+    notes_evicted: int = 0  # ... dropped unused at NOTE_LIMIT (requests or sources this rank does not read)
 
 
 @dataclass(eq=False)
