@@ -71,6 +71,7 @@ from hybrid_transfer.errors import (
     WireDecodeError,
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
+from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
 from hybrid_transfer.planner_input import describe_cache
@@ -168,6 +169,11 @@ class Consumer:
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model this rank plans ``auto`` with (calibrated at start unless the config gives one)."""
+        return self._pack.cost
 
     # ---- handshakes ---------------------------------------------------------------
     def connect(self, address: str, *, timeout_s: float | None = None) -> None:

@@ -46,6 +46,6 @@ def test_an_auto_consumer_calibrates_at_start_unless_given_costs():
     cache = HybridCache.allocate(RankGeometry(MODEL, 1, 0), 64)
     given = CostParams(per_descriptor_s=1.0)
     with Consumer(cache, EngineConfig(mode=PlanMode.AUTO, staging_bytes=1 << 20, cost=given)) as c:
-        assert c._pack.cost == cost_model(given)
+        assert c.cost_model == cost_model(given)
     with Consumer(cache, EngineConfig(mode=PlanMode.AUTO, staging_bytes=1 << 20)) as c:
-        assert c._pack.cost != cost_model(CostParams())
+        assert c.cost_model != cost_model(CostParams())
