@@ -9,7 +9,7 @@ post-to-DONE (median, min, max).
 
 Cases:
   small  qwen3.5-0.8b, TP1 -> TP1, 128 tokens
-  large  qwen3.5-397b-a17b, TP2 -> TP8 (decode rank 0 of 8), 8192 tokens: DESIGN 3's worked example,
+  large  qwen3.5-397b-a17b, TP2 -> TP8 (decode rank 0 of 8), 8192 tokens: docs/planner.md#worked-example,
          149,836,800 bytes into the rank; contiguous and fragmented block ids
 
 Run: python benchmarks/post_to_done.py [--case small|large|all] [--reps 5] [--json]

@@ -1,11 +1,11 @@
 """hybrid_transfer: move a hybrid model's cache (paged KV + GDN state) from prefill to decode over NIXL.
 
 Layers, imports pointing down:
-  layout/       pure shapes and geometry of the paged hybrid cache (DESIGN 2)
+  layout/       pure shapes and geometry of the paged hybrid cache (docs/layout.md)
   cache         typed torch views over a rank's real pages
-  plan/         pure numpy planning of reads between ranks (DESIGN 3)
+  plan/         pure numpy planning of reads between ranks (docs/planner.md)
   planner_input a cache as the planner sees it: RankDescriptor and MemorySpace
-  engine/       the only code that imports NIXL or ZeroMQ (DESIGN 4)
+  engine/       the only code that imports NIXL or ZeroMQ (docs/lifecycle.md, docs/wire.md)
   integrations/ the only code that imports vLLM
   bench/, doctor/, cli/  the microbenchmark, the host checks (NIXL through engine's agent), the command line
 """

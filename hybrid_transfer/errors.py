@@ -41,7 +41,7 @@ class ShardingError(ConfigError):
 
 
 class UnsupportedError(HybridTransferError):
-    """A feature the library knowingly refuses (DESIGN 4: not supported yet)."""
+    """A feature the library knowingly refuses (docs/index.md#not-supported)."""
 
 
 class CacheShapeError(HybridTransferError, ValueError):
@@ -72,7 +72,7 @@ class PlanError(HybridTransferError, ValueError):
             setattr(self, key, value)
 
 
-# ---- planner validation (DESIGN 3: validate before anything moves) ----------
+# ---- planner validation (docs/planner.md#validation) ----------
 
 
 class TopologyError(PlanError):
@@ -160,7 +160,7 @@ class VerificationError(HybridTransferError):
         self.actual_byte = actual_byte
 
 
-# ---- engine: NIXL, side channel, requests (DESIGN 4) ----------------------------
+# ---- engine: NIXL, side channel, requests (docs/lifecycle.md) ----------------------------
 
 
 class EngineError(HybridTransferError):

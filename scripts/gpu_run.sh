@@ -2,15 +2,15 @@
 # Run the GPU figures on a lent H200 host from the repo root (the device tool's machine):
 #   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split,
 #                                      overhead, threads, direct (issue 13's rows)
-# Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (../shared/tools/gpu-wheels.sh,
-# plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
+# Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (built outside
+# this repository, plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
 set -u
 OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-# Without it UCX moves GPU bytes over TCP on hosts without NVLink (DESIGN 7). Multicast stays off (device tool rule).
+# Without it UCX moves GPU bytes over TCP on hosts without NVLink (docs/tuning.md#cuda-ipc). Multicast stays off (device tool rule).
 export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ht() { python3 -m hybrid_transfer "$@"; }
 BIG="--preset qwen3.5-397b-a17b --tokens 8192 --requests ${REQUESTS:-8} --concurrency ${CONCURRENCY:-4} --rounds ${ROUNDS:-3}"

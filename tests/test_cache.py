@@ -1,4 +1,4 @@
-"""HybridCache views alias exactly the bytes the registry reports (DESIGN 2.3), over real memory."""
+"""HybridCache views alias exactly the bytes the registry reports (docs/layout.md#the-cache-over-real-memory), over real memory."""
 
 from __future__ import annotations
 
@@ -337,7 +337,7 @@ def test_ssm_axis_order(tiny_config, order, inner):
     assert int(raw[off : off + 4].view(torch.int32)) == 0x01020304
 
 
-# ---- which views share bytes (DESIGN 2.3) -----------------------------------------------------------
+# ---- which views share bytes (docs/layout.md#the-layer-to-tensor-map) -----------------------------------------------------------
 
 def _footprints(cache):
     return {layer: layer_footprint(cache, layer) for layer in range(cache.geometry.model.num_layers)}

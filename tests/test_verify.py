@@ -103,7 +103,7 @@ def token_slots(cache: HybridCache, ids, tokens: torch.Tensor):
 def copy_state(srcs, src_block: int, dst: HybridCache, dst_block: int, layer: int, flat_conv: bool = False):
     m = dst.geometry.model
     w = m.conv_window
-    if flat_conv:  # the wrong rule DESIGN 2.2 warns about: one flat split of conv_dim
+    if flat_conv:  # the wrong rule docs/sharding.md#flat-split warns about: one flat split of conv_dim
         glob = torch.zeros(m.conv_dim, w, dtype=ints(dst.conv(layer)).dtype)
         for s in srcs:
             c = s.geometry.conv_dim_local
@@ -424,7 +424,7 @@ def mutate_tail_token(srcs, sreq, dst, dreq):
 
 
 def mutate_whole_state_page(srcs, sreq, dst, dreq):
-    """Copy state pages whole, padding included (DESIGN 2.3: never send page padding)."""
+    """Copy state pages whole, padding included (docs/planner.md#token-rules: never send page padding)."""
     layer, db = _first_gdn(dst, dreq)
     _, sb = _first_gdn(srcs[0], sreq)
     j = dst.geometry.tensor_of(layer)

@@ -1,4 +1,4 @@
-"""The microbenchmark (DESIGN 6): real transfers between one process per rank, against naive and the ceiling.
+"""The microbenchmark (docs/benchmarks.md): real transfers between one process per rank, against naive and the ceiling.
 
 Modules, one job each:
   spec         BenchSpec: the validated run description (flags of `hybrid-transfer bench`)

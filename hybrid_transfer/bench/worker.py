@@ -2,7 +2,7 @@
 
 The coordinator sends typed commands (bench.messages) over a Pipe; each runs on the process's main thread,
 which owns every NIXL agent here. Between commands each rank keeps polling (progress is OFF,
-DESIGN 7): a prefill rank its Producer and ceiling agent (a target that never polls stalls a first
+docs/tuning.md#progress-thread): a prefill rank its Producer and ceiling agent (a target that never polls stalls a first
 READ), a decode rank its Consumer (which flushes its last completion notifications).
 one at a time, in the handler HANDLERS maps its type to, and is answered with one typed reply.
 Timed windows live inside RunEngine / RunCeiling (decode ranks) and Serve (prefill ranks); filling,

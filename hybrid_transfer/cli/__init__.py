@@ -14,7 +14,7 @@ import sys
 from hybrid_transfer.errors import HybridTransferError
 
 # Subcommands in the order `--help` lists them; a missing module is simply absent.
-_SUBCOMMANDS = ("layout", "plan", "bench", "doctor")
+_SUBCOMMANDS = ("layout", "plan", "bench", "doctor", "soak")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,7 +28,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "layout",
         help="show the per-rank cache layout of a model at a TP size",
         description=(
-            "Per-rank geometry of the paged hybrid cache (DESIGN 2): KV heads, bytes per token per "
+            "Per-rank geometry of the paged hybrid cache (docs/layout.md): KV heads, bytes per token per "
             "full-attention layer, conv / ssm bytes per GDN layer, state bytes per request, block size, "
             "page bytes, number of shared tensors and the KV layout. With --json, one JSON object: the figures of "
             "--rank (default 0) at top level and a 'ranks' list of the ranks shown."

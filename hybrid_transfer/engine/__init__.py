@@ -1,4 +1,4 @@
-"""The only code that imports NIXL or ZeroMQ (DESIGN 4): handshakes, producers, consumers.
+"""The only code that imports NIXL or ZeroMQ (docs/lifecycle.md): handshakes, producers, consumers.
 
 Modules: config (EngineConfig), wire (messages), side_channel (ZeroMQ), handshake (its two
 tiers), agent (one NIXL agent), state (request lifecycles), peers (a consumer's producer

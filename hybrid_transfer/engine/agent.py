@@ -1,6 +1,6 @@
 """A thin owner of one NIXL agent (UCX backend): the only module that calls NIXL.
 
-Ownership: NIXL agents are not thread-safe by default (DESIGN 7). The thread that
+Ownership: NIXL agents are not thread-safe by default (docs/tuning.md#agents). The thread that
 creates a NixlAgent is its owner and the only thread that may call it; the
 producer's handshake listener never touches it (it serves precomputed bytes).
 
@@ -179,7 +179,7 @@ class NixlAgent:
 
     # ---- memory -------------------------------------------------------------------
     def register(self, regions: Sequence[Region]) -> None:
-        """Register each region (a whole shared tensor) once; agent metadata grows per region (DESIGN 7)."""
+        """Register each region (a whole shared tensor) once; agent metadata grows per region (docs/tuning.md#agents)."""
         if self._reg_descs is not None:
             raise EngineError("regions are already registered", operation="register", agent=self.name)
         kinds = {r.is_cuda for r in regions}

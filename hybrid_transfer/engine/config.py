@@ -1,6 +1,6 @@
 """The engine's one configuration struct, with documented defaults, validated at start.
 
-Progress thread (DESIGN 7), measured with ``benchmarks/progress_thread.py`` (2-core CPU host,
+Progress thread (docs/tuning.md#progress-thread), measured with ``benchmarks/progress_thread.py`` (2-core CPU host,
 2 processes, 256 MiB READ of 16 MiB descriptors / 64 MiB of 16 KiB descriptors with gaps, the
 target polling every 10 ms like an engine step; two runs, GB/s large / small, cores used):
 
@@ -92,7 +92,7 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that me
 
 
 class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Auto mode's cost model parameters (plan/cost.py); defaults: DESIGN 8's H200 figures."""
+    """Auto mode's cost model parameters (plan/cost.py); defaults: the H200 figures of docs/tuning.md#cost-model."""
 
     per_descriptor_s: float = 7.5e-6
     per_byte_s: float = 1.0 / 1.755e12

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import auth, claims, inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.fences import StepFences
@@ -53,6 +53,7 @@ from hybrid_transfer.engine.state import (
 )
 from hybrid_transfer.errors import (
     BlockBusyError,
+    ByteCountError,
     EngineError,
     HandshakeError,
     HandshakeTimeout,
@@ -73,7 +74,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.types import ReadPlan
-from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids
+from hybrid_transfer.plan.validate import block_id_arrays, expected_bytes, validate_block_ids
 from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,7 @@ class Consumer:
         self._metadata = self.agent.metadata  # sent in each Hello (connection info: producers only notify us)
         self._requests: dict[str, ReadRequest] = {}
         self.stats = ConsumerStats()
+        self._recorder = metrics.ConsumerRecorder()  # bytes, descriptors, latency of DONE requests
         self.failure_causes: Counter[str] = Counter()  # FailureCause value -> requests reported FAILED with it
         self.fences = StepFences()
         self._quarantine = Quarantine(self.fences)
@@ -388,6 +390,10 @@ class Consumer:
         """Requests reported, by terminal state."""
         return {"done": self.stats.done, "failed": self.stats.failed, "aborted": self.stats.aborted}
 
+    def metrics(self) -> metrics.ConsumerMetrics:
+        """A snapshot of this rank's counters, bytes and post-to-DONE latency (engine/metrics.py)."""
+        return metrics.consumer_metrics(self)
+
     # ---- the lifecycle ----------------------------------------------------------------
     def _advance(self, req: ReadRequest, now: float) -> None:
         if req.state is ReadState.WAITING_PEER:
@@ -477,7 +483,20 @@ class Consumer:
             self._end(req, exc, now, FailureCause.NIXL)
 
     def _complete(self, req: ReadRequest, now: float) -> None:
-        """Every READ is DONE: the bytes are in place. Only now tell the producer ranks."""
+        """Every READ is DONE: the bytes are in place. Only now tell the producer ranks.
+
+        The bytes moved are checked against what the layout says the request needs (engine/metrics.py):
+        a difference fails the request (cause byte_count), it is never reported DONE.
+        """
+        needed = expected_bytes(self.geometry, req.ticket.num_tokens)
+        packed = bool(self._pack.result_fields(req.request_id).get("num_packed_sources"))
+        if not metrics.bytes_agree(self.config.mode, req.num_bytes, needed, packed):
+            self._recorder.byte_mismatches += 1
+            self._end(req, ByteCountError(local_bytes=req.num_bytes, remote_bytes=req.num_bytes,
+                                          expected_bytes=needed), now, FailureCause.BYTE_COUNT)
+            return
+        self._recorder.on_done(needed, req.num_bytes, req.num_descriptors,
+                               now - (self._pack.result_fields(req.request_id).get("posted_at") or req.started_at))
         self._tell_producers(req, wire.CompletionKind.DONE)
         leftovers = [h for h in req.handles if not self.agent.release(h)]
         if leftovers:  # DONE handles write nothing more; NIXL lets go of them on a later poll
@@ -537,7 +556,7 @@ class Consumer:
         return results
 
     def _tell_producers(self, req: ReadRequest, kind: wire.CompletionKind) -> None:
-        """Tell every producer rank the request depends on that this rank is finished with it (DESIGN 3)."""
+        """Tell every producer rank the request depends on that this rank is finished with it (docs/lifecycle.md#who-notifies-whom)."""
         link = req.link.resolve()
         if req.disowned:
             return  # a producer refused our claim: this rank has no standing to report on the ticket

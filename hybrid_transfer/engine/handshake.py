@@ -1,4 +1,4 @@
-"""The handshake's meaning, both sides, without sockets (DESIGN 4: two tiers).
+"""The handshake's meaning, both sides, without sockets (docs/wire.md#handshake: two tiers).
 
 Tier one, equal fields: the two Fingerprints (model dimensions, dtypes, layouts,
 N-1 rule, layer-to-tensor map) must match; a refusal lists every differing field

@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import auth, claims, inputs, wire
+from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.early import EarlyCompletions
@@ -94,6 +94,7 @@ class ProducerStats:
     claims_confirmed: int = 0  # claims on a live, unclaimed, unedited ticket (claims.py)
     claims_refused: int = 0  # ... answered otherwise (replayed, ended, revoked, edited)
     claims_kept: int = 0  # claims for a request not held (yet): kept like early completions
+    reclaims: int = 0  # holds ended early because a consumer agent they waited for went away
 
 
 class Producer:
@@ -339,6 +340,10 @@ class Producer:
     def terminal_counts(self) -> dict[str, int]:
         """Holds that ended, by terminal state (freed / expired / aborted)."""
         return dict(self._book.terminal_counts)
+
+    def metrics(self) -> metrics.ProducerMetrics:
+        """A snapshot of this rank's holds, leases, reclaims and rejections (engine/metrics.py)."""
+        return metrics.producer_metrics(self)
 
     def abort(self, request_id: str) -> bool:
         """The embedder gives up on a held request; False when it is not held (or already aborting).
@@ -624,7 +629,7 @@ class Producer:
         record = self._peers.pop(agent, None)
         if record is not None:
             advance(record, PeerStage.GONE, self._clock())
-        self._book.forget_agent(agent)
+        self.stats.reclaims += len(self._book.forget_agent(agent))
         try:
             self.agent.remove_remote(agent)
         except EngineError as exc:

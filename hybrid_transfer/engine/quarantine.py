@@ -1,6 +1,6 @@
 """A consumer rank's quarantine: local blocks of failed or aborted requests, held until nothing can write them.
 
-DESIGN 4: a block changes owner only once every NIXL handle touching it is released (a READ in
+docs/lifecycle.md#deferred-free: a block changes owner only once every NIXL handle touching it is released (a READ in
 flight, even one being cancelled, may still land bytes) and every engine step that may write it
 has finished (fences.py). The consumer reports a failed or aborted request only when its entry
 leaves the quarantine, so a reported request's blocks are safe to reuse.

@@ -3,7 +3,7 @@
 Consumer reads: WAITING_PEER -> READING -> DONE. A failure passes through DRAINING and an
 abort by the embedder through ABORTING: the local blocks sit in quarantine until no NIXL
 handle and no unfinished engine step can write them, and only then is the request FAILED or
-ABORTED and reported (DESIGN 4: a reported request's blocks are safe to reuse).
+ABORTED and reported (docs/lifecycle.md#consumer-states: a reported request's blocks are safe to reuse).
 
 Producer holds: HELD -> FREED (every expected consumer rank reported), EXPIRED (the lease ran
 out on the producer's clock) or ABORTED. An abort goes straight to ABORTED when no consumer
@@ -59,6 +59,7 @@ class FailureCause(enum.Enum):
     REVOKED = "revoked"  # the producer aborted the request or its lease expired
     TICKET_REPLAYED = "ticket_replayed"  # the producer did not confirm the claim: already claimed, or ended
     TICKET_EDITED = "ticket_edited"  # the ticket's fields differ from the producer's record of it
+    BYTE_COUNT = "byte_count"  # the READs moved other bytes than the layout says the request needs (metrics.py)
 
 
 class HoldState(enum.Enum):

@@ -216,7 +216,7 @@ class CompletionKind(enum.IntEnum):
 
 
 class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="completion"):
-    """A consumer rank tells a producer rank it is finished with a request (DESIGN 3)."""
+    """A consumer rank tells a producer rank it is finished with a request (docs/lifecycle.md#who-notifies-whom)."""
 
     request_id: RequestId
     nonce: Nonce

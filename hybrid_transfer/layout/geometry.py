@@ -1,6 +1,6 @@
 """Per-rank geometry: what one TP rank holds and where it sits inside a page.
 
-Pure arithmetic over a ModelSpec (DESIGN 2.2 and 2.3). Every byte offset the
+Pure arithmetic over a ModelSpec (docs/sharding.md, docs/layout.md#pages). Every byte offset the
 planner and the cache use comes from here, so the two can never disagree.
 """
 
@@ -157,7 +157,7 @@ class RankGeometry:
 
     @property
     def first_kv_head(self) -> int:
-        """Global index of this rank's first KV head (DESIGN 2.2)."""
+        """Global index of this rank's first KV head (docs/sharding.md#kv-heads)."""
         k, t, r = self.model.num_kv_heads, self.tp_size, self.tp_rank
         return r * k // t if t > k else r * (k // t)
 
@@ -247,7 +247,7 @@ class RankGeometry:
     # ---- pages and blocks --------------------------------------------------
     @cached_property
     def block_size(self) -> int:
-        """Logical block size in tokens (page-size unification, DESIGN 2.3)."""
+        """Logical block size in tokens (docs/layout.md#page-size-unification)."""
         if self.options.block_size is not None:
             return self.options.block_size
         a, tok = self.options.alignment, self.kv_bytes_per_token

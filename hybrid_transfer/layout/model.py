@@ -168,7 +168,7 @@ def model_from_config(config: Mapping[str, Any], *, name: str = "custom") -> Mod
         raise ConfigError(f"{name}: config is missing field 'dtype' (or 'torch_dtype')", field="dtype")
     dtype = DType.parse(dtype_name, field="dtype")
     ssm_name = cfg.get("mamba_ssm_dtype")
-    # Qwen3-Next has no mamba_ssm_dtype: the recurrent state then uses bf16 (DESIGN 2.1).
+    # Qwen3-Next has no mamba_ssm_dtype: the recurrent state then uses bf16 (docs/presets.md#table).
     ssm_dtype = DType.BF16 if ssm_name is None else DType.parse(ssm_name, field="mamba_ssm_dtype")
     if has_gdn and gdn["linear_num_value_heads"] % gdn["linear_num_key_heads"]:
         raise ConfigError(

@@ -1,4 +1,4 @@
-"""Layer-to-tensor map of vLLM's hybrid (HMA) cache (DESIGN 2.3).
+"""Layer-to-tensor map of vLLM's hybrid (HMA) cache (docs/layout.md#the-layer-to-tensor-map).
 
 Layers of one kind are split into groups of ``group_size`` with a stride
 (group i = layers[i::num_groups]); layer j of every group lives on shared

@@ -1,4 +1,4 @@
-"""Pure numpy planning of a request's reads between a consumer rank and a producer engine (DESIGN 3).
+"""Pure numpy planning of a request's reads between a consumer rank and a producer engine (docs/planner.md).
 
 Modules, one job each:
   rank       RankDescriptor: a rank's geometry and regions as the handshake sends them

@@ -1,6 +1,6 @@
 """Cost model for `auto` mode: direct (coalesced) reads or pack, per source, by estimated time.
 
-Defaults come from DESIGN 8 (one H200, UCX cuda_ipc, prepared lists with
+Defaults come from docs/tuning.md#measured-anchors (one H200, UCX cuda_ipc, prepared lists with
 shuffled indices): ~7.5 us per unmerged descriptor, 1,755 GB/s for one large
 READ, 2,130 GB/s for a device copy (bytes counted once). On a CPU host the
 per-descriptor cost is ~2 us and copies run near 5.8 GB/s: pass a CostModel
@@ -18,13 +18,13 @@ from hybrid_transfer.plan.types import PlanMode
 class CostModel:
     """Seconds per descriptor, per byte read, per byte copied and per copied piece.
 
-    per_descriptor_s: fixed cost of one READ descriptor (DESIGN 8: ~7.5 us).
+    per_descriptor_s: fixed cost of one READ descriptor (~7.5 us, docs/tuning.md#measured-anchors).
     per_byte_s: inverse bandwidth of one large READ (1 / 1,755 GB/s).
     copy_per_byte_s: inverse bandwidth of a device gather/scatter copy (1 / 2,130 GB/s).
     per_piece_copy_s: cost of one more piece in a gather/scatter kernel (index and launch share).
     copy_launch_s: fixed cost of one gather or scatter kernel.
     count_gather: whether the producer's gather is on the consumer's critical path; by default it is
-        done at hold time, off that path (DESIGN 3), so only the scatter counts.
+        done at hold time, off that path (docs/planner.md#pack), so only the scatter counts.
     """
 
     per_descriptor_s: float = 7.5e-6

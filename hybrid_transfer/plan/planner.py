@@ -1,4 +1,4 @@
-"""The planner: one consumer rank's reads from one producer engine, per request (DESIGN 3).
+"""The planner: one consumer rank's reads from one producer engine, per request (docs/planner.md).
 
 Build a Planner once per (local rank, remote engine) from the handshake's
 RankDescriptors; it checks the topology and precomputes per-source templates.
@@ -57,7 +57,7 @@ class Planner:
         model: the model both engines serve.
         local: this consumer rank's descriptor.
         remotes: every rank of the producer engine, index == tp_rank.
-        cost: cost model for ``PlanMode.AUTO`` (defaults: DESIGN 8 H200 figures).
+        cost: cost model for ``PlanMode.AUTO`` (defaults: docs/tuning.md#cost-model).
 
     Raises:
         TopologyError: the TP sizes cannot be mapped, or the remote list is malformed.

@@ -1,4 +1,4 @@
-"""Which producer ranks a consumer rank reads from and notifies (DESIGN 3, "who notifies whom")."""
+"""Which producer ranks a consumer rank reads from and notifies (docs/lifecycle.md#who-notifies-whom)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Validation before anything moves (DESIGN 3): request block ids, then the finished plan's ranges and bytes.
+"""Validation before anything moves (docs/planner.md#validation): request block ids, then the finished plan's ranges and bytes.
 
 The plan checks do not trust the planner: every range is looked up in the
 registered regions, destinations are checked for overlap across all sources,
@@ -53,7 +53,7 @@ def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: i
 
 def validate_block_ids(side: str, ids: Sequence[np.ndarray], kinds: Sequence[LayerKind], num_tokens: int,
                        block_size: int, num_blocks: int, *, exact: bool) -> None:
-    """List lengths (DESIGN 3 token rules), id range, uniqueness within and across groups.
+    """List lengths (docs/planner.md#token-rules), id range, uniqueness within and across groups.
 
     ``exact``: the attention list must cover exactly ceil(num_tokens / block_size) blocks
     (the producer side); otherwise at least that many (the consumer may hold extra blocks).

@@ -46,7 +46,7 @@ def test_source_bytes_add_up_to_what_each_decode_rank_receives(p, d):
 
 
 def test_design_worked_example_bytes_per_decode_rank():
-    """DESIGN 3: qwen3.5-397b-a17b, 8192 tokens, P2 -> D8 moves 149,836,800 B into each decode rank."""
+    """docs/planner.md#worked-example: qwen3.5-397b-a17b, 8192 tokens, P2 -> D8 moves 149,836,800 B into each decode rank."""
     spec = BenchSpec(preset="qwen3.5-397b-a17b", prefill_tp=2, decode_tp=8)
     assert all(sum(x.values()) == 149_836_800 for x in sizing.source_bytes(spec, 8192))
 

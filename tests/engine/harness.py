@@ -3,7 +3,7 @@
 A Cluster starts its workers once (spawn: each imports torch and NIXL, ~3 s of CPU), so one
 cluster serves a whole test session. A worker hosts any number of ranks, each with its own NIXL
 agent, keyed by name; between commands it keeps polling every rank it hosts, so producers
-progress NIXL (DESIGN 7: a target must be progressed) and free blocks while the test waits on
+progress NIXL (docs/tuning.md#progress-thread: a target must be progressed) and free blocks while the test waits on
 consumers. Commands travel over a Pipe and run one at a time; an exception comes back as a
 RemoteError with the type name, message and attributes of the original.
 

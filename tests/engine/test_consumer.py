@@ -131,7 +131,7 @@ def test_connect_gives_up_at_its_timeout(silent_address):
         assert info.value.address == silent_address
 
 
-# One case per class of equal-tier field (DESIGN 4), each against the same producer engine.
+# One case per class of equal-tier field (docs/wire.md#handshake), each against the same producer engine.
 MISMATCHES = {
     "conv layout": (TINY, CacheOptions(conv_layout=ConvLayout.SD), "conv_layout", "SD", "DS"),
     "dtype": (TINY, CacheOptions(kv_dtype=DType.FP16), "kv_dtype", "float16", "bfloat16"),

@@ -2,7 +2,7 @@
 
 Skipped without CUDA (CI has none). On a GPU host run
 ``UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y python -m pytest tests/engine/test_pack_cuda.py``; the variable
-is set here too, before any worker starts, because without it UCX moves GPU bytes over TCP (DESIGN 8).
+is set here too, before any worker starts, because without it UCX moves GPU bytes over TCP (docs/tuning.md#cuda-ipc).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""RankGeometry against the check numbers of DESIGN 2.1 / 2.3 and the sharding contract of DESIGN 2.2."""
+"""RankGeometry against the check numbers of docs/presets.md#check-numbers and docs/layout.md#page-size-unification and the sharding contract of docs/sharding.md."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def big():
     return load_preset(BIG)
 
 
-# ---- DESIGN 2.1 check numbers ---------------------------------------------------------------------
+# ---- docs/presets.md#check-numbers ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(("tp", "mib"), [(1, "183.16"), (2, "91.58"), (4, "45.79"), (8, "22.90")])
 def test_state_bytes_per_request_397b(big, tp, mib):
@@ -59,7 +59,7 @@ def test_conv_segments_397b_tp1(big):
     assert sum(g.conv_segment_bytes) == g.conv_bytes == 73_728
 
 
-# ---- DESIGN 2.3 check numbers ---------------------------------------------------------------------
+# ---- docs/layout.md#page-size-unification ---------------------------------------------------------------------
 
 @pytest.mark.parametrize(("tp", "block"), [(1, 2096), (2, 2096), (4, 1056), (8, 528)])
 def test_block_size_bf16_397b(big, tp, block):
@@ -84,7 +84,7 @@ def test_kernel_ratio_131_for_flashattention_blocks(big):
 
 @pytest.mark.parametrize("name", preset_names())
 def test_equal_block_sizes_only_when_both_tp_within_kv_heads(name):
-    """DESIGN 2.3 consequence: two TP sizes give equal block sizes only if both are <= K or they are equal."""
+    """docs/layout.md#page-size-unification consequence: two TP sizes give equal block sizes only if both are <= K or they are equal."""
     m = load_preset(name)
     sizes = {tp: RankGeometry(m, tp).block_size for tp in TPS}
     for a in TPS:
@@ -113,7 +113,7 @@ def test_explicit_block_size_wins(big):
     assert (g.block_size, g.kernel_ratio, g.page_bytes) == (1056, 33, 1056 * 1024)
 
 
-# ---- DESIGN 2.2 sharding ---------------------------------------------------------------------------
+# ---- docs/sharding.md ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("tp", TPS)
 @pytest.mark.parametrize("name", preset_names())

@@ -1,4 +1,4 @@
-"""The six shipped presets match the table of DESIGN 2.1."""
+"""The six shipped presets match the table of docs/presets.md#table."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hybrid_transfer.errors import ConfigError, UnknownPresetError
 from hybrid_transfer.layout import DType, LayerKind, load_preset, preset_names
 
-# preset: (layers, FA, GDN, K, head_dim, nk, nv, ssm dtype), DESIGN 2.1
+# preset: (layers, FA, GDN, K, head_dim, nk, nv, ssm dtype), docs/presets.md#table
 TABLE = {
     "qwen3-next-80b-a3b": (48, 12, 36, 2, 256, 16, 32, DType.BF16),
     "qwen3.5-397b-a17b": (60, 15, 45, 2, 256, 16, 64, DType.FP32),

@@ -1,4 +1,4 @@
-"""Layer-to-tensor map (DESIGN 2.3): groups by stride, layer j of every group on tensor j."""
+"""Layer-to-tensor map (docs/layout.md#the-layer-to-tensor-map): groups by stride, layer j of every group on tensor j."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from hybrid_transfer.plan.types import PlanMode
 
 
 def test_design_worked_example_prefers_pack():
-    """DESIGN 3: ~750 descriptors for 149.8 MB cost ~6 ms direct against ~0.085 ms for the bytes."""
+    """docs/planner.md#worked-example: ~750 descriptors for 149.8 MB cost ~6 ms direct against ~0.085 ms for the bytes."""
     cost = CostModel()
     direct = cost.direct_s(750, 149_836_800)
     assert 5e-3 < direct < 7e-3

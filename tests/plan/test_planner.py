@@ -1,4 +1,4 @@
-"""Planner: DESIGN 3 formulas and worked example, modes, notifications, pack plans, construction checks."""
+"""Planner: docs/planner.md formulas and worked example, modes, notifications, pack plans, construction checks."""
 
 from __future__ import annotations
 
@@ -54,7 +54,7 @@ def rows(plan_source: SourcePlan) -> set[tuple[int, int, int]]:
                    strict=True))
 
 
-# ---- DESIGN 3 worked example --------------------------------------------------------------------------
+# ---- docs/planner.md#worked-example --------------------------------------------------------------------------
 
 @pytest.mark.parametrize(("layout", "kv_per_tensor", "total"), [(SPLIT, 19 * 2, 750), (INTERLEAVED, 19, 465)])
 def test_worked_example_p2_d8_fragmented(layout, kv_per_tensor, total):
@@ -152,7 +152,7 @@ def test_naive_is_one_read_per_source_and_one_descriptor_per_slot_and_page_pair(
 
 @pytest.mark.parametrize("preset,p,d", [(Q397, 2, 8), (Q397, 1, 4), ("qwen3.5-27b", 2, 4), ("qwen3.5-4b", 1, 2)])
 def test_fan_out_state_is_the_three_read_conv_and_an_ssm_slice(preset, p, d):
-    """DESIGN 3: Q at o*s0, K at r*s0 + o*s1, V at r*s0 + r*s1 + o*s2, ssm at remote_conv + o*local_ssm."""
+    """docs/planner.md#conv-3-read: Q at o*s0, K at r*s0 + o*s1, V at r*s0 + r*s1 + o*s2, ssm at remote_conv + o*local_ssm."""
     model = load_preset(preset)
     producers, consumers = engines(model, p, d)
     local, remote = request_ids(model, producers, consumers, 100, 1.0, seed=3)

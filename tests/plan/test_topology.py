@@ -1,4 +1,4 @@
-"""Sources and notifications per DESIGN 3 ("who notifies whom")."""
+"""Sources and notifications per docs/lifecycle.md#who-notifies-whom."""
 
 from __future__ import annotations
 

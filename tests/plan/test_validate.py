@@ -184,7 +184,7 @@ def test_zero_length_rows_and_unknown_sources_are_refused(planner):
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_expected_bytes_matches_design_figures(tp):
     g = RankGeometry(MODEL, tp)
-    # DESIGN 2.1: 30,720 B per token over 15 FA layers at TP1, 15,360 B at TP >= 2 (replicated heads count once).
+    # docs/presets.md#check-numbers: 30,720 B per token over 15 FA layers at TP1, 15,360 B at TP >= 2 (replicated heads count once).
     per_token = 30_720 if tp == 1 else 15_360
     state = {1: 183.16, 2: 91.58, 4: 45.79, 8: 22.90}[tp]
     assert expected_bytes(g, 1) - expected_bytes(g, 0) - g.state_bytes_per_request == per_token

@@ -1,7 +1,7 @@
 """Pack mode on the producer: gather each held request into staging, tell consumer agents where it is.
 
 Why gather at hold() and not when a consumer asks: the gather then runs off every consumer's
-critical path (docs/planner.md), once per producer rank however many consumers read it. The price
+critical path (docs/planner.md#pack), once per producer rank however many consumers read it. The price
 is that the producer does not yet know the consumers (their TP, block sizes, local blocks), so it
 gathers in its own canonical order (plan/stage_layout.py), chosen so that any consumer rank's
 share is at most two contiguous ranges; and the staged copy lives, like the blocks, until the

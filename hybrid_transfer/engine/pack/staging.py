@@ -1,6 +1,6 @@
 """A bounded pool of registered staging memory for pack mode, one per rank.
 
-One tensor of ``EngineConfig.staging_bytes``, registered with the rank's NIXL agent once (DESIGN 7:
+One tensor of ``EngineConfig.staging_bytes``, registered with the rank's NIXL agent once (docs/tuning.md#agents:
 whole tensors, never per request), carved into slices first-fit. A request whose bytes do not fit
 gets no slice (``try_alloc`` returns None): the caller falls back to direct reads, which need no
 staging, rather than wait (see engine/config.py for why). Owned by the rank's owner thread.
