@@ -6,5 +6,13 @@ export VLLM_SSM_CONV_STATE_LAYOUT=DS
 # UCX's cuda_ipc transport serves GPU-to-GPU READs only with this set; without it GPU bytes
 # silently go over TCP (hybrid-transfer doctor checks it).
 export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
-# No shared secret: hybrid_transfer's side channel and NIXL's transfers are not authenticated.
-# Keep the side-channel ports and the NIXL traffic on a trusted network.
+# The shared secret (the same on every prefill and decode process): authenticates handshakes and
+# notifications and signs tickets (docs/security.md). Read it from a file only the serving user can
+# read; never put it in kv_connector_extra_config, which vLLM logs.
+: "${HYBRID_TRANSFER_SECRET_FILE:=$HOME/.hybrid-transfer-secret}"
+if [ -r "$HYBRID_TRANSFER_SECRET_FILE" ]; then
+    HYBRID_TRANSFER_SECRET=$(cat "$HYBRID_TRANSFER_SECRET_FILE")
+    export HYBRID_TRANSFER_SECRET
+else
+    echo "env.sh: no secret at $HYBRID_TRANSFER_SECRET_FILE; the engines will run unauthenticated" >&2
+fi

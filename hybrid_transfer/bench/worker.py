@@ -291,7 +291,7 @@ def ceiling_add_sources(rank: _Rank, cmd: m.CeilingAddSources) -> m.Reply:
 
 def run_ceiling(rank: _Rank, cmd: m.RunCeiling) -> m.Reply:
     """A decode rank's ceiling window: per request one single-descriptor READ per source, ``concurrency`` deep."""
-    from hybrid_transfer.engine.state import XferState
+    from hybrid_transfer.engine.agent import XferState
 
     ceiling, lengths = rank.ceiling, cmd.lengths
     queue = collections.deque(cmd.request_ids)

@@ -362,7 +362,7 @@ def _timed_read(agent: Any, peer: str, local: Any, remote: Any, deadline: float)
     Raises:
         EngineError: the READ ended in error, or was still in progress at the deadline.
     """
-    from hybrid_transfer.engine.state import XferState
+    from hybrid_transfer.engine.agent import XferState
     from hybrid_transfer.errors import EngineError
 
     start = time.perf_counter()

@@ -1,19 +1,22 @@
 """The only code that imports NIXL or ZeroMQ (docs/lifecycle.md): handshakes, producers, consumers.
 
-Modules: config (EngineConfig), wire (messages), side_channel (ZeroMQ), handshake (its two
-tiers), agent (one NIXL agent), state (request lifecycles), peers (a consumer's producer
-links), producer, consumer. Lifecycle under faults: lease (expiry on the producer's clock),
-holds (a producer's holds, aborts and revocations), fences (engine step fences), quarantine
-(a consumer's blocks that something may still write), revocations (a consumer's revoked tickets).
+Transport core: config (EngineConfig), wire (messages and their version log), side_channel
+(ZeroMQ), handshake (its two tiers), agent (one NIXL agent; XferState of a READ handle), peers (a
+consumer's producer links), peer_record (one record per peer agent, one stage), inbox (a bounded
+amount of notifications per poll). The two ends built on it: producer, consumer.
+lifecycle/ (request bookkeeping: no NIXL, no sockets, the engine's injected clock): state (request
+states and the one transition function), holds (a producer's holds, aborts and revocations), lease
+(expiry on the producer's clock), fences (engine step fences), quarantine (a consumer's blocks that
+something may still write), revocations (a consumer's revoked tickets), early (completions that
+arrive before their hold), pending (handshakes awaiting a Hello).
 Pack mode lives in the pack subpackage (engine/pack/__init__.py): it runs the plan layer's
 PackSourcePlan, it does not model pack a second time.
 Embedding in a serving engine (issue 12): tickets (RankCard, EngineCard, issue_ticket: tickets issued
-by the engine's scheduler), ticket_params (a ticket as JSON-safe request parameters), early
-(completions that arrive before their hold).
-Bounds and input checks: pending (handshakes awaiting a Hello), inputs (hold/start_read arguments),
-inbox (a bounded amount of notifications per poll), log_gate (repeated warnings aggregated).
+by the engine's scheduler), ticket_params (a ticket as JSON-safe request parameters), inputs
+(hold/start_read arguments), log_gate (repeated warnings aggregated), metrics (snapshots of a rank),
+prometheus (their export; the engine never imports it).
 Trust (issue 14): auth (shared secret, challenge-response, link keys, sealed notifications),
-peer_record (one record per peer agent, one stage), claims (single-use tickets confirmed before DONE).
+claims (single-use tickets confirmed before DONE, a producer's memory of ended tickets).
 The doctor (`hybrid-transfer doctor`) lives in hybrid_transfer.doctor and reaches NIXL through agent.
 """
 
@@ -22,7 +25,8 @@ The doctor (`hybrid-transfer doctor`) lives in hybrid_transfer.doctor and reache
 _LAZY = {
     "EngineConfig": "config", "PrepStrategy": "config", "ProgressPolicy": "config",
     "Consumer": "consumer", "Producer": "producer",
-    "FailureCause": "state", "HoldState": "state", "ReadResult": "state", "ReadState": "state",
+    "FailureCause": "lifecycle.state", "HoldState": "lifecycle.state",
+    "ReadResult": "lifecycle.state", "ReadState": "lifecycle.state",
     "Ticket": "wire", "decode_ticket": "wire", "encode_ticket": "wire",
     "quiet_nixl_logging": "agent",
     "ticket_from_params": "ticket_params", "ticket_to_params": "ticket_params",

@@ -19,6 +19,7 @@ Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 
 from __future__ import annotations
 
+import enum
 import importlib
 import logging
 import threading
@@ -29,7 +30,6 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
-from hybrid_transfer.engine.state import XferState
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
 
 if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_cuda will do (no torch import)
@@ -38,6 +38,20 @@ if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_
 log = logging.getLogger(__name__)
 
 _CONFIG_LOCK = threading.Lock()
+
+
+class XferState(enum.Enum):
+    """One NIXL READ handle."""
+
+    PROC = "PROC"
+    DONE = "DONE"
+    ERR = "ERR"
+    RELEASED = "RELEASED"  # our own: the handle is freed, nothing can write through it any more
+
+    @classmethod
+    def parse(cls, status: str) -> XferState:
+        """NIXL's status string ("DONE", "PROC", "ERR")."""
+        return {"DONE": cls.DONE, "PROC": cls.PROC}.get(status, cls.ERR)
 
 
 def _nixl_api(module: str | None = None) -> Any:

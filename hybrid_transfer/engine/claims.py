@@ -17,7 +17,7 @@ refuses one. An empty ``mac`` (an unsigned ticket) is accepted only where no sec
 
 Memory: claims live on their hold (one set of ranks) and go with it; ended tickets are remembered
 for one lease in at most ``capacity`` entries, so a replay of a freed ticket is answered ENDED.
-A replay older than that finds no record and is kept like an early completion (early.py): it is
+A replay older than that finds no record and is kept like an early completion (lifecycle/early.py): it is
 never confirmed, so the consumer's read deadline ends it.
 """
 

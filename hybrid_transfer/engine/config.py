@@ -133,7 +133,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s).
     prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
     early_completion_grace_s: how long a producer rank keeps a completion that arrives before the
-        request's ``hold()`` (a serving engine holds at its next step; engine/early.py). Completions
+        request's ``hold()`` (a serving engine holds at its next step; engine/lifecycle/early.py). Completions
         announced with ``Producer.expect`` are kept for a whole lease instead.
     early_completion_limit: at most this many such completions are kept per producer rank (the
         oldest go first, counted in ``ProducerStats.early_evicted``).

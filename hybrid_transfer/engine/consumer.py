@@ -10,7 +10,7 @@ Lifecycle under faults (issue 5): after the handshake this rank says Hello to ea
 agent (its metadata, so the producer can notify it) and READs from it only after its Welcome,
 which lists the tickets it revoked; a later Revoke fails the request (never DONE) and is
 acknowledged at once. Heartbeats renew the leases of waiting and reading requests. A failed or
-aborted request's blocks go to the quarantine (quarantine.py) and the request is reported only
+aborted request's blocks go to the quarantine (lifecycle/quarantine.py) and the request is reported only
 once no handle and no unfinished engine step can write them; its producer ranks are told at
 once, so they free early. NIXL reporting a producer agent disconnected fails its requests.
 
@@ -32,25 +32,24 @@ from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
-from hybrid_transfer.engine.agent import NixlAgent
+from hybrid_transfer.engine.agent import NixlAgent, XferState
 from hybrid_transfer.engine.config import EngineConfig
-from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.inbox import Inbox
-from hybrid_transfer.engine.pack.reader import PackReader
-from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
-from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
-from hybrid_transfer.engine.quarantine import Quarantine
-from hybrid_transfer.engine.revocations import Tombstones
-from hybrid_transfer.engine.state import (
+from hybrid_transfer.engine.lifecycle.fences import StepFences
+from hybrid_transfer.engine.lifecycle.quarantine import Quarantine
+from hybrid_transfer.engine.lifecycle.revocations import Tombstones
+from hybrid_transfer.engine.lifecycle.state import (
     ENDING,
     TERMINAL,
     FailureCause,
     ReadRequest,
     ReadResult,
     ReadState,
-    XferState,
     transition,
 )
+from hybrid_transfer.engine.pack.reader import PackReader
+from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
+from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.errors import (
     BlockBusyError,
     ByteCountError,

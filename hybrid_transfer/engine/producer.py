@@ -3,9 +3,9 @@
 Threads: the thread that builds a Producer owns it and its NIXL agent (hold, poll,
 close). A named daemon thread answers handshakes from immutable, precomputed data
 (handshake.ProducerCard) and records the names of accepted consumer agents in a
-locked, bounded table (pending.py) until they say Hello.
+locked, bounded table (lifecycle/pending.py) until they say Hello.
 
-Lifecycle (issue 5; the rules live in holds.py): leases on this rank's clock, renewed by
+Lifecycle (issue 5; the rules live in lifecycle/holds.py): leases on this rank's clock, renewed by
 consumer heartbeats; aborts that revoke the ticket at every consumer agent that may read it;
 step fences before blocks go back to the embedder. Consumer agents introduce themselves with
 a Hello after their handshake (their metadata, so this rank can notify them) and are answered
@@ -30,17 +30,17 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
 from hybrid_transfer.engine.agent import NixlAgent
 from hybrid_transfer.engine.config import EngineConfig
-from hybrid_transfer.engine.early import EarlyCompletions
-from hybrid_transfer.engine.fences import StepFences
 from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, ProducerCard, answer
-from hybrid_transfer.engine.holds import Heard, HoldBook
 from hybrid_transfer.engine.inbox import Inbox
+from hybrid_transfer.engine.lifecycle.early import EarlyCompletions
+from hybrid_transfer.engine.lifecycle.fences import StepFences
+from hybrid_transfer.engine.lifecycle.holds import Heard, HoldBook
+from hybrid_transfer.engine.lifecycle.pending import PendingHandshakes
+from hybrid_transfer.engine.lifecycle.state import Hold, HoldState
 from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.pack.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance
-from hybrid_transfer.engine.pending import PendingHandshakes
 from hybrid_transfer.engine.side_channel import HandshakeServer
-from hybrid_transfer.engine.state import Hold, HoldState
 from hybrid_transfer.engine.tickets import RankCard
 from hybrid_transfer.errors import (
     ConfigError,
@@ -72,7 +72,7 @@ class ProducerStats:
     malformed: int = 0  # not a message of ours (garbage, other version or fingerprint, a kind we never get)
     unknown_agent: int = 0  # from an agent that never completed a handshake with this rank
     unknown_request: int = 0  # a completion for no held request (not yet, or no longer): kept for its hold
-    early_kept: int = 0  # completions kept for a hold that had not happened (engine/early.py)
+    early_kept: int = 0  # completions kept for a hold that had not happened (engine/lifecycle/early.py)
     early_replayed: int = 0  # ... taken in by their hold
     early_lapsed: int = 0  # ... forgotten: no hold within the grace (or the expectation's lease)
     early_evicted: int = 0  # ... pushed out because too many were kept
@@ -134,7 +134,7 @@ class Producer:
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
                 self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
-            # Consumer agents between handshake and Hello; the listener thread adds to it (pending.py).
+            # Consumer agents between handshake and Hello; the listener thread adds to it (lifecycle/pending.py).
             self._pending = PendingHandshakes(clock, self.config.pending_handshake_s,
                                               self.config.max_pending_handshakes)
             self.listener_stats = ListenerStats()
@@ -202,7 +202,7 @@ class Producer:
         (engine/tickets.py); block ids and token count may then be left out. A ticket must match
         this rank's view (engine id, incarnation, TP size, addresses, lease, request, blocks, tokens,
         nonce); it also tells a multi-rank engine its addresses when ``set_engine_addresses`` was not
-        called. Completions that arrived before this call are taken in now (engine/early.py): the
+        called. Completions that arrived before this call are taken in now (engine/lifecycle/early.py): the
         request may be released by the next poll().
 
         Raises:
@@ -333,7 +333,7 @@ class Producer:
 
     @property
     def num_pending_handshakes(self) -> int:
-        """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see pending.py)."""
+        """Consumer agents accepted at the handshake that have not said Hello yet (bounded, see lifecycle/pending.py)."""
         return len(self._pending)
 
     @property
@@ -350,7 +350,7 @@ class Producer:
 
         Frees at once when no consumer agent can be reading; otherwise revokes the ticket at
         every agent that may read it and frees once all have acknowledged, every expected consumer
-        rank has reported, or the lease expires (holds.py). poll() reports the release.
+        rank has reported, or the lease expires (lifecycle/holds.py). poll() reports the release.
         """
         self._check_open()
         hold = self._book.get(request_id)

@@ -96,6 +96,7 @@ class Rank:
             self.engine.abort(rid)
         if self.setup.prefill:
             for rid in self.engine.poll():
+                self.aborts.pop(rid, None)  # an abort still scheduled must not hit a later request of this id
                 self._ended(rid, m.Outcome("released"))
         else:
             for r in self.engine.poll():
@@ -109,6 +110,7 @@ class Rank:
         from hybrid_transfer.verify import POISON_BYTE
 
         key = self.reading.pop(r.request_id, r.request_id)
+        self.aborts.pop(r.request_id, None)  # an abort still scheduled must not hit a replay of this ticket
         layout, seed, _ = self.expected.pop(key)
         verified = _blocks_hold(self.cache, layout, seed) if r.ok else None
         for t in self.cache.tensors:  # the embedder reuses the blocks: poison them again

@@ -15,9 +15,9 @@ from harness import TINY, RankSpec, hold_everywhere, start_producers, stranger_n
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import Consumer, EngineConfig, Producer, ReadState, wire
+from hybrid_transfer.engine.agent import XferState
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.log_gate import LogGate
-from hybrid_transfer.engine.state import XferState
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import RankGeometry, model_from_config
 from hybrid_transfer.verify import RequestLayout

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hybrid_transfer.engine.early import EarlyCompletions
+from hybrid_transfer.engine.lifecycle.early import EarlyCompletions
 from hybrid_transfer.engine.wire import Completion
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.lifecycle.fences import StepFences
 from hybrid_transfer.errors import ConfigError
 
 

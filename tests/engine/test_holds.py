@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_transfer.engine.holds import Heard, HoldBook
-from hybrid_transfer.engine.state import HoldState
+from hybrid_transfer.engine.lifecycle.holds import Heard, HoldBook
+from hybrid_transfer.engine.lifecycle.state import HoldState
 from hybrid_transfer.errors import FenceError, RequestStateError
 
 

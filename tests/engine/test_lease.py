@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_transfer.engine.lease import LeaseBook
+from hybrid_transfer.engine.lifecycle.lease import LeaseBook
 
 
 def test_a_lease_ends_lease_s_after_its_start_or_last_renewal():

@@ -16,8 +16,8 @@ import hybrid_transfer.engine.consumer as consumer_module
 import hybrid_transfer.engine.producer as producer_module
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import Consumer, EngineConfig, Producer, ReadState, wire
-from hybrid_transfer.engine.agent import XferHandle
-from hybrid_transfer.engine.state import FailureCause, HoldState, XferState
+from hybrid_transfer.engine.agent import XferHandle, XferState
+from hybrid_transfer.engine.lifecycle.state import FailureCause, HoldState
 from hybrid_transfer.errors import (
     BlockBusyError,
     ConfigError,

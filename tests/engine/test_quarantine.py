@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.quarantine import Quarantine
-from hybrid_transfer.engine.revocations import Tombstones
+from hybrid_transfer.engine.lifecycle.fences import StepFences
+from hybrid_transfer.engine.lifecycle.quarantine import Quarantine
+from hybrid_transfer.engine.lifecycle.revocations import Tombstones
 
 
 class Handle:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from hybrid_transfer.engine.state import TERMINAL, Hold, HoldState, ReadRequest, ReadState, XferState, transition
+from hybrid_transfer.engine.agent import XferState
+from hybrid_transfer.engine.lifecycle.state import TERMINAL, Hold, HoldState, ReadRequest, ReadState, transition
 from hybrid_transfer.errors import RequestStateError
 
 # Failures pass through DRAINING and aborts through ABORTING (the quarantine), never straight to the end.

@@ -16,11 +16,10 @@ import time
 
 import numpy as np
 
-from hybrid_transfer.engine.agent import NixlAgent
+from hybrid_transfer.engine.agent import NixlAgent, XferState
 from hybrid_transfer.engine.config import CostParams
 from hybrid_transfer.engine.pack.gather_scatter import Copier
 from hybrid_transfer.engine.pack.staging import StagingPool
-from hybrid_transfer.engine.state import XferState
 from hybrid_transfer.errors import ConfigError, EngineError
 from hybrid_transfer.plan.cost import CostModel
 

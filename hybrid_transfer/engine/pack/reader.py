@@ -39,14 +39,14 @@ import numpy as np
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
-from hybrid_transfer.engine.agent import NixlAgent, XferHandle
+from hybrid_transfer.engine.agent import NixlAgent, XferHandle, XferState
 from hybrid_transfer.engine.config import CostParams, EngineConfig
+from hybrid_transfer.engine.lifecycle.state import ReadState
 from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model
 from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, CopyTicket
 from hybrid_transfer.engine.pack.stager import STAGING_MODES
 from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
 from hybrid_transfer.engine.pack.steps import SETTLED, SourceStep, step_to
-from hybrid_transfer.engine.state import ReadState, XferState
 from hybrid_transfer.errors import EngineError, HybridTransferError
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
 

@@ -17,8 +17,8 @@ import time
 
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.consumer import Consumer
+from hybrid_transfer.engine.lifecycle.state import ReadState
 from hybrid_transfer.engine.producer import Producer
-from hybrid_transfer.engine.state import ReadState
 from hybrid_transfer.engine.tickets import encode_rank_card
 from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.integrations.vllm.geometry import EngineCache

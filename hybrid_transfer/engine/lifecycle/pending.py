@@ -5,7 +5,7 @@ bounded: at most ``capacity`` names (the oldest is evicted first), each dropped 
 after its handshake on the producer's clock. A real consumer says Hello within one of its polls
 of the reply; an evicted or expired one that says Hello later is treated as a stranger (its
 requests then fail at its read deadline), which is the price of bounding the table. Each entry is
-the agent's PeerRecord (peer_record.py), with its link key when a secret is set; its Hello moves
+the agent's PeerRecord (engine/peer_record.py), with its link key when a secret is set; its Hello moves
 that record to the producer's table of welcomed agents.
 """
 

@@ -26,9 +26,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from hybrid_transfer.engine.claims import EndedTickets
-from hybrid_transfer.engine.fences import StepFences
-from hybrid_transfer.engine.lease import LeaseBook
-from hybrid_transfer.engine.state import Hold, HoldState, transition
+from hybrid_transfer.engine.lifecycle.fences import StepFences
+from hybrid_transfer.engine.lifecycle.lease import LeaseBook
+from hybrid_transfer.engine.lifecycle.state import Hold, HoldState, transition
 from hybrid_transfer.errors import FenceError, RequestStateError
 
 
@@ -56,7 +56,7 @@ class HoldBook:
         # (request id, nonce) -> when the revocation lapses; inserted in lapse order (one clock, one lease_s)
         self._revoked: dict[tuple[str, int], float] = {}
         self.terminal_counts: Counter[str] = Counter()  # HoldState value -> holds that ended in it
-        self.ended = EndedTickets(clock, lease_s)  # claims on these are replays (claims.py)
+        self.ended = EndedTickets(clock, lease_s)  # claims on these are replays (engine/claims.py)
 
     # ---- holding ------------------------------------------------------------------
     def add(self, request_id: str, nonce: int, block_ids: tuple[tuple[int, ...], ...], num_tokens: int) -> Hold:

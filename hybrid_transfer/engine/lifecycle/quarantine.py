@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from hybrid_transfer.engine.fences import StepFences
+from hybrid_transfer.engine.lifecycle.fences import StepFences
 
 
 @dataclass(eq=False)

@@ -22,20 +22,6 @@ from typing import Any
 from hybrid_transfer.errors import RequestStateError
 
 
-class XferState(enum.Enum):
-    """One NIXL READ handle."""
-
-    PROC = "PROC"
-    DONE = "DONE"
-    ERR = "ERR"
-    RELEASED = "RELEASED"  # our own: the handle is freed, nothing can write through it any more
-
-    @classmethod
-    def parse(cls, status: str) -> XferState:
-        """NIXL's status string ("DONE", "PROC", "ERR")."""
-        return {"DONE": cls.DONE, "PROC": cls.PROC}.get(status, cls.ERR)
-
-
 class ReadState(enum.Enum):
     """A consumer request."""
 
@@ -59,7 +45,7 @@ class FailureCause(enum.Enum):
     REVOKED = "revoked"  # the producer aborted the request or its lease expired
     TICKET_REPLAYED = "ticket_replayed"  # the producer did not confirm the claim: already claimed, or ended
     TICKET_EDITED = "ticket_edited"  # the ticket's fields differ from the producer's record of it
-    BYTE_COUNT = "byte_count"  # the READs moved other bytes than the layout says the request needs (metrics.py)
+    BYTE_COUNT = "byte_count"  # the READs moved other bytes than the layout says the request needs (engine/metrics.py)
 
 
 class HoldState(enum.Enum):
@@ -103,7 +89,7 @@ class ReadRequest:
     num_descriptors: int = 0
     error: BaseException | None = None
     cause: FailureCause | None = None
-    awaiting_claims: set = field(default_factory=set)  # source agents that have not confirmed our claim (claims.py)
+    awaiting_claims: set = field(default_factory=set)  # source agents that have not confirmed our claim (engine/claims.py)
     disowned: bool = False  # a claim was refused: this rank tells the producers nothing about the request
 
 
