@@ -9,8 +9,8 @@ it inside its read), reads it on every decode rank, and waits until every produc
 Per run the slowest decode rank counts (the request is ready when all are); printed are medians:
 
   gather   the producer ranks' gather at hold() (ReadResult.gather_s: off the critical path)
-  query    the staging query's round trip over the side channel (ReadResult.query_s)
-  read     post of the staging query until the READ is DONE (the query included)
+  query    from the post to the producer's Staged notification, 0 when it came first (ReadResult.query_s)
+  read     from the post until the READ is DONE (any wait for the notification included)
   scatter  the scatter into the local blocks
   total    post until the scatter finished (what the consumer reports), and direct mode's total
   alone    each decode rank in turn, the others idle: its last request's scatter again (same staging

@@ -229,10 +229,11 @@ def plan_times(rank: _Rank, cmd: m.PlanTimes) -> m.Reply:
 
     local_ids, remote_ids, num_tokens, plan_mode = cmd.local_ids, cmd.remote_ids, cmd.num_tokens, cmd.mode
     plan_s, descriptors, pieces = [], [], []
-    rank.planner.plan(local_ids[0], remote_ids[0], num_tokens, plan_mode)  # fills the per-token-count cache
+    cost = rank.consumer.cost_model  # auto: the engine's own (calibrated) choices
+    rank.planner.plan(local_ids[0], remote_ids[0], num_tokens, plan_mode, cost=cost)  # fills the per-token cache
     for local, remote in zip(local_ids, remote_ids, strict=True):
         t0 = time.perf_counter()
-        plan = rank.planner.plan(local, remote, num_tokens, plan_mode)
+        plan = rank.planner.plan(local, remote, num_tokens, plan_mode, cost=cost)
         plan_s.append(time.perf_counter() - t0)
         descriptors.append(plan.num_descriptors)
         pieces.append(sum(s.num_pieces if isinstance(s, PackSourcePlan) else s.num_descriptors

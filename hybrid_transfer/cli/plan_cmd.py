@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -22,7 +23,9 @@ from hybrid_transfer.cli.common import (
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, ModelSpec
 from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
+from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.rank import RankDescriptor
 from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan
 
@@ -37,7 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Plan one request from a prefill engine to a decode engine over fake addresses and print, per "
             "decode rank, the source ranks, bytes and descriptors per source, and totals. With --json, only "
             "a JSON list on stdout: one object per decode rank with decode_rank, total_bytes, descriptors, "
-            "sources [{rank, bytes, descriptors, pieces, mode}], mode, kv_layout, notify, expected_bytes "
+            "sources [{rank, bytes, descriptors, pieces, mode; pack sources also staged_bytes and read_ranges: "
+            "the [offset, length] ranges of the source's staging the decode rank READs, as the engine posts "
+            "them}], mode, kv_layout, notify, expected_bytes "
             "(what the plan moves) and valid_bytes (the request's payload; naive moves whole pages, so more)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -117,7 +122,15 @@ def plan_all(model: ModelSpec, prefill_tp: int, decode_tp: int, prefill: CacheOp
     remote_ids = make_block_ids(counts_p, pool_p, fragmentation, rng)
     local_ids = make_block_ids(counts_d, pool_d, fragmentation, rng)
     ranks = range(decode_tp) if decode_rank is None else [decode_rank]
-    return [Planner(model, consumers[r], producers).plan(local_ids, remote_ids, num_tokens, mode) for r in ranks]
+    return [plan_request(model, producers, consumers[r], local_ids, remote_ids, num_tokens, mode) for r in ranks]
+
+
+def plan_request(model: ModelSpec, producers: Sequence[RankDescriptor], consumer: RankDescriptor,
+                 local_ids: Sequence[Sequence[int]], remote_ids: Sequence[Sequence[int]], num_tokens: int,
+                 mode: PlanMode, cost: CostModel | None = None) -> ReadPlan:
+    """One decode rank's plan of one request: the same planner, modes and cost model the consumer engine
+    runs, so pack's read ranges (offsets into each source's staging) are the ones it posts."""
+    return Planner(model, consumer, producers, cost=cost).plan(local_ids, remote_ids, num_tokens, mode)
 
 
 def plan_summary(plan: ReadPlan) -> dict:
@@ -131,6 +144,10 @@ def plan_summary(plan: ReadPlan) -> dict:
             "pieces": src.num_pieces if isinstance(src, PackSourcePlan) else src.num_descriptors,
             "mode": plan.meta.get("source_modes", {}).get(src.source_rank, plan.mode.value),
         })
+        if isinstance(src, PackSourcePlan):  # what the engine runs: READ ranges of the source's staging
+            sources[-1]["staged_bytes"] = src.staged_bytes
+            sources[-1]["read_ranges"] = [[int(o), int(n)] for o, n in zip(src.read.remote_offset.tolist(),
+                                                                          src.read.length.tolist(), strict=True)]
     return {
         "decode_rank": plan.decode_rank,
         "mode": plan.mode.value,

@@ -9,9 +9,8 @@ states and the one transition function), holds (a producer's holds, aborts and r
 (expiry on the producer's clock), fences (engine step fences), quarantine (a consumer's blocks that
 something may still write), revocations (a consumer's revoked tickets), early (completions that
 arrive before their hold), pending (handshakes awaiting a Hello).
-Pack mode: staging (bounded registered pools), stager (the producer's gather at hold and its
-staging directory), pack_reader (the consumer's query, READ and scatter), gather_scatter (one
-index copy per list on CPU or CUDA), calibrate (per-descriptor and per-byte costs for auto).
+Pack mode lives in the pack subpackage (engine/pack/__init__.py): it runs the plan layer's
+PackSourcePlan, it does not model pack a second time.
 Embedding in a serving engine (issue 12): tickets (RankCard, EngineCard, issue_ticket: tickets issued
 by the engine's scheduler), ticket_params (a ticket as JSON-safe request parameters), inputs
 (hold/start_read arguments), log_gate (repeated warnings aggregated), metrics (snapshots of a rank),

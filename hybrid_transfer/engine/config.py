@@ -52,7 +52,7 @@ ranges per source; consumers read those and scatter them. When a request does no
 counted, never delayed: waiting for space would tie one request's latency to other requests'
 completions (and, on the producer, cannot happen inside hold()), while direct reads are always
 correct. ``auto`` chooses per source with plan/cost.py's model, calibrated at consumer start
-(engine/calibrate.py) unless ``cost`` gives the parameters.
+(engine/pack/calibrate.py) unless ``cost`` gives the parameters.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from hybrid_transfer.engine.lifecycle.state import (
     ReadState,
     transition,
 )
-from hybrid_transfer.engine.pack_reader import PackReader
+from hybrid_transfer.engine.pack.reader import PackReader
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_agent_name
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
 from hybrid_transfer.errors import (
@@ -71,6 +71,7 @@ from hybrid_transfer.errors import (
     WireDecodeError,
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
+from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import block_id_arrays, expected_bytes, validate_block_ids
 from hybrid_transfer.planner_input import describe_cache
@@ -147,8 +148,8 @@ class Consumer:
             curve = auth.side_channel_curve(self.config.side_channel_curve, self._secret)
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
                                 clock, self.config.handshake_timeout_s, self._secret, curve=curve)
-            # Pack mode (staging reads, engine/pack_reader.py) and every request's timings.
-            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock, curve=curve)
+            # Pack mode (staging reads, engine/pack/reader.py) and every request's timings.
+            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
         except BaseException:
             self.close()
             raise
@@ -169,6 +170,11 @@ class Consumer:
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The cost model this rank plans ``auto`` with (calibrated at start unless the config gives one)."""
+        return self._pack.cost
 
     # ---- handshakes ---------------------------------------------------------------
     def connect(self, address: str, *, timeout_s: float | None = None) -> None:
@@ -279,7 +285,7 @@ class Consumer:
         # Also progresses NIXL (progress thread OFF): flushes our notifications, serves peers' wire-up.
         # Revocations are taken in before any READ is judged DONE (see the module docstring).
         self._take_notifications()
-        self._pack.receive()
+        self._pack.expire_waits()  # pack: sources whose Staged notification never came read directly
         now = self._clock()
         self._tombstones.prune(now)
         with self.agent.one_check_per_handle():  # pack's and this loop's checks share one NIXL query a poll
@@ -442,7 +448,7 @@ class Consumer:
         t = req.ticket
         planner = req.link.resolve().planner
         local = req.local_block_ids if local_ids is None else local_ids
-        return planner.plan(local, t.block_ids, t.num_tokens, self._pack.plan_mode)
+        return planner.plan(local, t.block_ids, t.num_tokens, self._pack.plan_mode, cost=self._pack.cost)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)
@@ -450,17 +456,11 @@ class Consumer:
         req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
         self._pack.on_post(req, now)
         for src in plan.sources:
-            if self._pack.takes(req, src, link):  # pack / auto: through the source's staging
-                continue
-            try:
-                handle = self.agent.post_read(link.agents[src.source_rank], src.local_descs(), src.remote_descs())
+            try:  # direct, or through the source's staging as the plan says (engine/pack/reader.py)
+                self.stats.reads_posted += self._pack.post(req, src, link)
             except EngineError as exc:
                 self._on_post_error(req, link.agents[src.source_rank], exc, now)
                 return
-            req.handles.append(handle)
-            req.num_bytes += handle.num_bytes
-            req.num_descriptors += handle.num_descriptors
-            self.stats.reads_posted += 1
         self._claim(req, [link.agents[src.source_rank] for src in plan.sources])
 
     def _claim(self, req: ReadRequest, agents: Sequence[str]) -> None:
@@ -639,6 +639,9 @@ class Consumer:
                 self._revoke(ref, sender, now + body.lease_s)
             if record.stage is PeerStage.GREETED:
                 advance(record, PeerStage.WELCOMED, now)
+            self._pack.on_welcome(sender, body.stages)
+        elif isinstance(body, wire.Staged):  # pack: where the producer rank staged a request (engine/pack/)
+            self._pack.on_staged(sender, body)
         elif isinstance(body, wire.ClaimReply):
             self._on_claim_reply(sender, body, now)
         elif isinstance(body, wire.Revoke):

@@ -42,9 +42,9 @@ from hybrid_transfer.engine.lifecycle.holds import Heard, HoldBook
 from hybrid_transfer.engine.lifecycle.pending import PendingHandshakes
 from hybrid_transfer.engine.lifecycle.state import Hold, HoldState
 from hybrid_transfer.engine.log_gate import LogGate
+from hybrid_transfer.engine.pack.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_slot
 from hybrid_transfer.engine.side_channel import HandshakeServer
-from hybrid_transfer.engine.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.tickets import RankCard
 from hybrid_transfer.errors import (
     ConfigError,
@@ -132,7 +132,7 @@ class Producer:
                                device_memory=cache.device.type == "cuda")
         self._closed = False
         self._server: HandshakeServer | None = None
-        self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (stager.py)
+        self.stager: Stager | None = None  # pack and auto: gathers held requests into staging (pack/stager.py)
         try:
             self.agent.register(cache.regions)
             self.descriptor = describe_cache(cache)
@@ -196,9 +196,6 @@ class Producer:
     def _respond(self, data: bytes) -> bytes | None:
         """Runs on the listener thread."""
         card = self._card  # set before the listener starts
-        staged = self.stager.respond(data) if self.stager is not None else None
-        if staged is not None:
-            return staged
         return answer(card, data, self.listener_stats, self._pending.add,
                       self.listener_auth) if card is not None else None
 
@@ -259,6 +256,7 @@ class Producer:
                                            num_tokens)
         if self.stager is not None:
             self.stager.stage(request_id, nonce, block_ids, num_tokens)
+            self._announce_staged()  # CPU: the gather ran inside stage()
         for sender, completion in self._early.take(request_id, nonce):
             self.stats.early_replayed += 1
             if isinstance(completion, wire.Claim):
@@ -411,6 +409,7 @@ class Producer:
                 self._send_revokes(hold, set(self._peers))
         released = self._book.pop_released()
         if self.stager is not None:
+            self._announce_staged()  # gathers seen done (CUDA: events)
             for request_id in released:
                 self.stager.release(request_id)
         self.stats.freed += len(released)
@@ -595,10 +594,21 @@ class Producer:
                 record.slot = consumer_slot(sender, body.consumer_rank)
                 self._replace_incarnations(record)
             self.stats.hellos += 1
+            for staged in self.stager.current() if self.stager is not None else ():  # pack: what it missed
+                self._notify(sender, staged, record)
+
+    def _announce_staged(self) -> None:
+        """Pack: tell every welcomed consumer agent where each request whose gather just finished is staged.
+
+        Every agent, because which consumer reads a request is unknown here (engine/pack/stager.py).
+        """
+        for staged in self.stager.ready():
+            for agent in list(self._peers):
+                self._notify(agent, staged)
 
     def _welcome(self) -> wire.Welcome:
         revoked = tuple(wire.RequestRef(rid, nonce) for rid, nonce in self._book.revocations())
-        return wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s))
+        return wire.Welcome(revoked=revoked, lease_s=float(self.config.lease_s), stages=self.stager is not None)
 
     # ---- fast reclaim (docs/lifecycle.md) -------------------------------------------------
     def _replace_incarnations(self, record: PeerRecord) -> None:

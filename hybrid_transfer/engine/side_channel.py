@@ -74,7 +74,7 @@ class HandshakeServer:
 
     Guarantees: the thread only runs ZeroMQ and ``respond``, which never touches the NIXL agent: it
     reads immutable, precomputed handshake data, and for pack mode a copy-on-write staging directory
-    that the owner thread replaces whole (stager.py), so handshakes and staging queries are answered
+    that the owner thread replaces whole (pack/stager.py), so handshakes and staging queries are answered
     while the owner thread is busy. A frame that is not one message of ours is answered with
     whatever ``respond`` makes of it, or dropped; the thread never dies of peer bytes.
     ``close()`` is idempotent, stops the thread and waits for it.

@@ -29,6 +29,11 @@ Version log:
      per-link counter and a MAC under the link key). Claim / ClaimReply (single-use tickets,
      engine/claims.py): DONE only after the producer confirmed the claim. Ticket.mac, last and defaulted
      (b"": unsigned), over the fields that decide the bytes (claims.sign); ticket_params carries it.
+  6: pack mode's ready notification (issue 13): a producer rank tells its consumer agents where it
+     staged a request once the gather is done (Staged, a NIXL notification: READY with address, bytes
+     and gather time, or ABSENT), so a consumer posts its READ when that arrives, with no query round
+     trip; Welcome.stages, last and defaulted (False), says whether the rank stages at all. The side
+     channel's StagingQuery / StagingReply (kinds 20 and 21, issue 6) are gone; their numbers stay unused.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -48,7 +53,7 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
@@ -86,8 +91,9 @@ class Kind(enum.IntEnum):
     SEALED = 12
     CLAIM = 13
     CLAIM_REPLY = 14
-    STAGING_QUERY = 20  # pack mode (issue 6); numbered apart so other additions never collide
-    STAGING_REPLY = 21
+    # Pack mode, numbered apart so other additions never collide; 20 and 21 were issue 6's side-channel
+    # StagingQuery / StagingReply (gone in version 6) and stay unused.
+    STAGED = 22
 
 
 class Envelope(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
@@ -251,6 +257,7 @@ class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="welc
 
     revoked: tuple[RequestRef, ...]
     lease_s: Seconds  # how long the consumer must remember them (no live ticket outlasts this)
+    stages: bool = False  # pack mode (issue 13): this rank stages its requests and sends a Staged for each
 
 
 class Revoke(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="revoke"):
@@ -412,36 +419,28 @@ def _short(value: object) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} long)"
 
 
-# ---- pack mode (issue 6): where a producer rank staged a request (engine/stager.py) ---------------
-# Asked and answered over the side channel, not NIXL notifications: the answer comes from the
-# listener thread at once instead of at the producer owner's next poll(), which would put an
-# engine step on the consumer's critical path. The listener reads an immutable directory only.
-class StagingQuery(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staging_query"):
-    """A consumer rank asks a producer rank where it staged a request (pack mode)."""
+# ---- pack mode: where a producer rank staged a request (engine/pack/stager.py) ------------------------
+# A NIXL notification from the producer rank to each consumer agent it welcomed, sent when the
+# gather is done (issue 13). The producer cannot know which consumer reads a request (a scheduler
+# may issue the ticket before any gather has run), so it tells every welcomed agent, and a new one
+# hears about every request still staged right after its Welcome. A consumer that posts before the
+# notification arrives waits for it; no query crosses the side channel.
+class StagingStatus(enum.IntEnum):
+    READY = 1  # gathered: read ``nbytes`` at ``addr`` (the consumer's ranges lie inside)
+    ABSENT = 3  # nothing staged (the pool was full): read directly
+
+
+class Staged(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staged"):
+    """A producer rank's ready notification: where (and whether) it staged a held request."""
 
     request_id: RequestId
     nonce: Nonce
-    consumer_rank: Count
-
-
-class StagingStatus(enum.IntEnum):
-    READY = 1  # gathered: read ``nbytes`` at ``addr`` (the consumer's ranges lie inside)
-    PENDING = 2  # the gather still runs: ask again
-    ABSENT = 3  # nothing staged (pool full, pack off, unknown request or nonce): read directly
-
-
-class StagingReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="staging_reply"):
-    """A producer rank's answer to a StagingQuery."""
-
-    request_id: RequestId
     status: StagingStatus
-    addr: int = 0
-    nbytes: int = 0
-    device_id: int = 0
-    gather_s: float = 0.0  # the gather's own time, measured on the producer
+    addr: Count = 0
+    nbytes: Count = 0
+    device_id: Count = 0
+    gather_s: Seconds = 0.0  # the gather's own time, measured on the producer
 
 
-_BODY_OF_KIND[Kind.STAGING_QUERY] = StagingQuery
-_BODY_OF_KIND[Kind.STAGING_REPLY] = StagingReply
-_BODY_DECODERS[Kind.STAGING_QUERY] = msgspec.msgpack.Decoder(StagingQuery)
-_BODY_DECODERS[Kind.STAGING_REPLY] = msgspec.msgpack.Decoder(StagingReply)
+_BODY_OF_KIND[Kind.STAGED] = Staged
+_BODY_DECODERS[Kind.STAGED] = msgspec.msgpack.Decoder(Staged)

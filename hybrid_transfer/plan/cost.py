@@ -47,6 +47,10 @@ class CostModel:
         return self.per_descriptor_s + nbytes * self.per_byte_s + copies * copy
 
     def choose(self, num_descriptors: int, nbytes: int) -> PlanMode:
-        """COALESCED or PACK for one source whose coalesced plan has ``num_descriptors`` rows."""
-        return PlanMode.PACK if self.pack_s(num_descriptors, nbytes) < self.direct_s(num_descriptors, nbytes) \
-            else PlanMode.COALESCED
+        """COALESCED or PACK for one source whose coalesced plan has ``num_descriptors`` rows.
+
+        The one place ``auto`` is decided: only the planner calls it, per source, and the engine plans
+        with its own (calibrated) model, so what the engine runs is what this returns.
+        """
+        n = num_descriptors
+        return PlanMode.PACK if self.pack_s(n, nbytes) < self.direct_s(n, nbytes) else PlanMode.COALESCED

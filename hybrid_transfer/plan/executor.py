@@ -2,8 +2,9 @@
 
 A MemorySpace maps absolute address ranges to writable uint8 numpy buffers
 (for a CPU HybridCache: ``hybrid_transfer.memory_space(cache)``). Pack
-plans go through temporary staging buffers exactly as the engine would:
-gather on the source, one "read" of the staging range, scatter on arrival.
+plans go through temporary staging buffers exactly as the engine does:
+the source's gather in its canonical order, one "read" of the plan's ranges of
+it, the scatter of those ranges on arrival.
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ def execute(plan: ReadPlan, local: MemorySpace, remotes: Mapping[int, MemorySpac
 
 
 def execute_pack(src: PackSourcePlan, local: MemorySpace, remote: MemorySpace) -> None:
-    total = src.total_bytes
-    remote_staging = np.empty(total, dtype=np.uint8)
-    rows = list(zip(src.gather_src.tolist(), src.scatter_dst.tolist(), src.staging_offset.tolist(),
-                    src.length.tolist(), strict=True))
-    for ga, _, off, n in rows:
-        remote_staging[off : off + n] = remote.view(ga, n)
-    local_staging = remote_staging.copy()  # the one READ of the whole staging range
-    for _, sa, off, n in rows:
-        local.view(sa, n)[:] = local_staging[off : off + n]
+    """The engine's pack path on plain memory: the source's gather, the one READ of ranges, the scatter."""
+    layout, read = src.layout, src.read
+    remote_staging = np.empty(layout.total_bytes, dtype=np.uint8)
+    for a, n, off in zip(layout.addr.tolist(), layout.length.tolist(), layout.offset.tolist(), strict=True):
+        remote_staging[off : off + n] = remote.view(a, n)
+    local_staging = np.empty(read.total_bytes, dtype=np.uint8)
+    for ro, lo, n in zip(read.remote_offset.tolist(), read.local_offset.tolist(), read.length.tolist(), strict=True):
+        local_staging[lo : lo + n] = remote_staging[ro : ro + n]
+    for so, da, n in zip(read.scatter_src.tolist(), read.scatter_dst.tolist(), read.scatter_length.tolist(),
+                         strict=True):
+        local.view(da, n)[:] = local_staging[so : so + n]

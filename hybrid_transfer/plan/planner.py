@@ -27,6 +27,7 @@ from hybrid_transfer.plan.pieces import (
     state_pieces,
 )
 from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
+from hybrid_transfer.plan.stage_layout import map_rows, stage_layout
 from hybrid_transfer.plan.templates import (
     SOURCE_MASK,
     SOURCE_SHIFT,
@@ -171,8 +172,12 @@ class Planner:
         return self.expected_bytes(num_tokens)
 
     def plan(self, local_block_ids: Sequence[Sequence[int]], remote_block_ids: Sequence[Sequence[int]],
-             num_tokens: int, mode: PlanMode = PlanMode.COALESCED, *, validate: bool = True) -> ReadPlan:
+             num_tokens: int, mode: PlanMode = PlanMode.COALESCED, *, validate: bool = True,
+             cost: CostModel | None = None) -> ReadPlan:
         """Plan one request: block ids per cache group (tensor_map.groups order) on each side.
+
+        In pack mode (and for the sources ``auto`` packs, decided by ``cost`` or this planner's cost
+        model) each source's plan is the path the engine runs: see PackSourcePlan.
 
         Raises:
             PlanError: when ``validate``, a subclass naming the bad values (GroupCountError,
@@ -193,7 +198,7 @@ class Planner:
                                self._remote_num_blocks, exact=True)
         sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
         if num_tokens > 0:
-            sources = self._build_sources(num_tokens, local_ids, remote_ids, mode)
+            sources = self._build_sources(num_tokens, local_ids, remote_ids, mode, cost or self.cost)
         plan = ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
@@ -208,26 +213,6 @@ class Planner:
             validate_plan(plan, self._local_regions, self._remote_regions)
         return plan
 
-    def pack_plan(self, source_rank: int, local_block_ids: Sequence[Sequence[int]],
-                  remote_block_ids: Sequence[Sequence[int]], num_tokens: int, *,
-                  validate: bool = True) -> PackSourcePlan:
-        """The pack plan of one source, as the producer computes it for this consumer rank.
-
-        A producer builds ``Planner(model, consumer_desc, own_engine_descs)`` from the handshake and calls this
-        for its own rank: ``gather_src`` are its addresses, ``scatter_dst`` the consumer's, and the staging
-        offsets (canonical order: ascending source address) are the ones the consumer computes.
-        """
-        if source_rank not in self.topology.sources:
-            raise PlanError(f"decode rank {self.local.tp_rank} never reads from source rank {source_rank} "
-                            f"(sources {list(self.topology.sources)})", source_rank=source_rank)
-        plan = self.plan(local_block_ids, remote_block_ids, num_tokens, PlanMode.PACK, validate=validate)
-        for src in plan.sources:
-            if src.source_rank == source_rank:
-                return src  # type: ignore[return-value]
-        e = np.empty(0, dtype=np.int64)
-        return PackSourcePlan(source_rank, e, e, e, e, self.local_desc.device_id,
-                              self.remote_descs[source_rank].device_id)
-
     def _frame(self, token_end: int) -> SegmentFrame:
         frame = self._frames.get(token_end)
         if frame is None:
@@ -237,7 +222,7 @@ class Planner:
         return frame
 
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
-                       mode: PlanMode) -> tuple[SourcePlan | PackSourcePlan, ...]:
+                       mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
         """Pieces of every source at once, one merge, one broadcast over tensors, then one plan per source."""
         naive = mode is PlanMode.NAIVE
         # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
@@ -273,11 +258,11 @@ class Planner:
             if a == b:
                 continue
             cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
-            if mode is PlanMode.PACK or (mode is PlanMode.AUTO and
-                                         self.cost.choose(cols[2].shape[0], int(cols[2].sum())) is PlanMode.PACK):
-                out.append(to_pack(tpl.source_rank, *cols, ld, tpl.device_id))
+            direct = SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id)
+            if mode is PlanMode.PACK or (mode is PlanMode.AUTO and cost.choose(direct.num_descriptors, direct.total_bytes) is PlanMode.PACK):
+                out.append(to_pack(direct, tpl, remote_ids, num_tokens))
             else:
-                out.append(SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id))
+                out.append(direct)
         return tuple(out)
 
 
@@ -287,12 +272,13 @@ def _mode_of(src: SourcePlan | PackSourcePlan, mode: PlanMode) -> PlanMode:
     return PlanMode.NAIVE if mode is PlanMode.NAIVE else PlanMode.COALESCED
 
 
-def to_pack(source_rank: int, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
-            local_device: int = 0, remote_device: int = 0) -> PackSourcePlan:
-    """Pack form of direct rows: canonical order is ascending source address; staging offsets are a prefix sum."""
-    order = np.argsort(remote_addr, kind="stable")
-    ln = length[order]
-    staging = np.zeros_like(ln)
-    np.cumsum(ln[:-1], out=staging[1:])
-    return PackSourcePlan(source_rank, remote_addr[order], local_addr[order], staging, ln, local_device,
-                          remote_device)
+def to_pack(direct: SourcePlan, tpl: SourceTemplate, remote_block_ids: Sequence[Sequence[int]],
+            num_tokens: int) -> PackSourcePlan:
+    """Pack form of one source's direct rows: the source's canonical staging of the request, and this
+    rank's read ranges and scatter pieces against it (plan/stage_layout.py).
+
+    Raises:
+        PlanError: the rows reach bytes the source's layout does not stage (a bug on one side).
+    """
+    layout = stage_layout(tpl.geometry, tpl.tensor_addrs, remote_block_ids, num_tokens)
+    return PackSourcePlan(direct, layout, map_rows(layout, direct.local_addr, direct.remote_addr, direct.length))

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybrid_transfer.plan.stage_layout import StagedRead, StageLayout
+
 
 class PlanMode(enum.Enum):
     # vLLM 0.33's own scheme, the baseline: one descriptor per (shared tensor, source kernel page, destination
@@ -51,33 +53,41 @@ class SourcePlan:
 
 @dataclass(frozen=True)
 class PackSourcePlan:
-    """Pack mode for one source: the source gathers into staging, one read, the consumer scatters.
+    """Pack mode for one source, exactly as the engine runs it (docs/planner.md, pack mode).
 
-    gather rows copy ``length`` bytes from ``gather_src`` (source memory) to
-    ``staging_offset`` in the source's staging buffer; scatter rows copy from
-    ``staging_offset`` in the consumer's staging buffer to ``scatter_dst``.
-    Both use the same staging offsets, so one read of ``total_bytes`` links them.
+    The source gathers its whole share of the request into its staging in its own canonical order
+    (``layout``, plan/stage_layout.py: the same whoever reads it); this rank posts one READ of the
+    ``read`` ranges of that staging into its own staging slice, then scatters ``read``'s pieces into
+    its blocks. ``direct`` holds the same bytes as coalesced rows: what the engine reads instead
+    when the source staged nothing.
     """
 
-    source_rank: int
-    gather_src: np.ndarray
-    scatter_dst: np.ndarray
-    staging_offset: np.ndarray
-    length: np.ndarray
-    local_device: int = 0
-    remote_device: int = 0
+    direct: SourcePlan
+    layout: StageLayout
+    read: StagedRead
+
+    @property
+    def source_rank(self) -> int:
+        return self.direct.source_rank
 
     @property
     def num_pieces(self) -> int:
-        return int(self.length.shape[0])
+        """Scatter pieces on this rank (one index kernel copies them all)."""
+        return int(self.read.scatter_length.shape[0])
 
     @property
     def num_descriptors(self) -> int:
-        return 1 if self.num_pieces else 0
+        """Ranges of the source's staging in the one READ (at most two per source, see stage_layout)."""
+        return self.read.num_ranges
 
     @property
     def total_bytes(self) -> int:
-        return int(self.length.sum())
+        return self.read.total_bytes
+
+    @property
+    def staged_bytes(self) -> int:
+        """What the source stages for the request in all (every consumer rank's share)."""
+        return self.layout.total_bytes
 
 
 @dataclass(frozen=True)

@@ -124,7 +124,8 @@ def validate_plan(plan: ReadPlan, local_regions: RegionTable, remote_regions: Ma
         if isinstance(src, SourcePlan):
             rows.append((src.source_rank, src.local_addr, src.remote_addr, src.length))
         elif isinstance(src, PackSourcePlan):
-            rows.append((src.source_rank, src.scatter_dst, src.gather_src, src.length))
+            d = src.direct  # the same bytes the scatter writes and the source's gather reads
+            rows.append((src.source_rank, d.local_addr, d.remote_addr, d.length))
         else:
             raise PlanError(f"unknown source plan type {type(src).__name__}", source=src)
         if src.source_rank not in remote_regions:

@@ -139,7 +139,7 @@ def auto_choices(state, key, ticket_bytes, local_block_ids) -> int:
     t = decode_ticket(ticket_bytes)
     link = consumer._peers.ensure(t.engine_key, t.addresses).resolve()
     plan = link.planner.plan(local_block_ids, t.block_ids, t.num_tokens, PlanMode.COALESCED)
-    cost = consumer._pack.cost
+    cost = consumer.cost_model
     return sum(cost.choose(s.num_descriptors, s.total_bytes) is PlanMode.PACK for s in plan.sources)
 
 

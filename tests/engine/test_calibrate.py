@@ -10,10 +10,10 @@ from harness import TINY
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import Consumer, EngineConfig
 from hybrid_transfer.engine.agent import NixlAgent
-from hybrid_transfer.engine.calibrate import calibrate, cost_model
 from hybrid_transfer.engine.config import CostParams
-from hybrid_transfer.engine.gather_scatter import Arena, Copier
-from hybrid_transfer.engine.staging import StagingPool
+from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model
+from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier
+from hybrid_transfer.engine.pack.staging import StagingPool
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import RankGeometry, model_from_config
 from hybrid_transfer.plan.types import PlanMode
@@ -46,6 +46,6 @@ def test_an_auto_consumer_calibrates_at_start_unless_given_costs():
     cache = HybridCache.allocate(RankGeometry(MODEL, 1, 0), 64)
     given = CostParams(per_descriptor_s=1.0)
     with Consumer(cache, EngineConfig(mode=PlanMode.AUTO, staging_bytes=1 << 20, cost=given)) as c:
-        assert c._pack.cost == cost_model(given)
+        assert c.cost_model == cost_model(given)
     with Consumer(cache, EngineConfig(mode=PlanMode.AUTO, staging_bytes=1 << 20)) as c:
-        assert c._pack.cost != cost_model(CostParams())
+        assert c.cost_model != cost_model(CostParams())

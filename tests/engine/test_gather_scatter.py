@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_transfer.engine.gather_scatter import Arena, Copier, IndexCache
+from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, IndexCache
 from hybrid_transfer.errors import PlanError, RangeError
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -91,7 +91,7 @@ def _digest() -> str:
     lambda: wire.HandshakeReply(accepted=True, engine_addresses=("tcp://" + "h" * wire.MAX_ADDRESS_CHARS,)),
     lambda: wire.Completion("r" * (wire.MAX_REQUEST_ID_CHARS + 1), 1, 0, 1),
     lambda: wire.Heartbeat(0, (wire.RequestRef("r" * (wire.MAX_REQUEST_ID_CHARS + 1), 1),)),
-    lambda: wire.StagingQuery("r" * (wire.MAX_REQUEST_ID_CHARS + 1), 1, 0),
+    lambda: wire.Staged("r" * (wire.MAX_REQUEST_ID_CHARS + 1), 1, wire.StagingStatus.ABSENT),
     lambda: wire.ErrorReply("x" * (wire.MAX_TEXT_CHARS + 1)),
 ], ids=["agent-name", "engine-id", "reply-agent-name", "address", "completion-request-id", "heartbeat-request-id",
         "staging-request-id", "error-reason"])

@@ -92,7 +92,7 @@ def test_a_pack_consumer_says_once_that_a_producer_does_not_stage(cluster):
     every result and warns once per producer rank, not once per request."""
     tokens = (37, 64, 100)
     consumer_worker = cluster.workers[2]  # run_pack puts the decode rank after the two prefill ranks
-    logger = "hybrid_transfer.engine.pack_reader"
+    logger = "hybrid_transfer.engine.pack.reader"
     consumer_worker.call("call", start_log_capture, logger)
     try:
         pack = EngineConfig(mode=PlanMode.PACK, staging_bytes=POOL)

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybrid_transfer.engine.staging import ALIGN_BYTES, StagingPool
+from hybrid_transfer.engine.pack.staging import ALIGN_BYTES, StagingPool
 from hybrid_transfer.errors import ConfigError, PlanError
 
 

@@ -8,8 +8,8 @@ import torch
 
 from hybrid_transfer.errors import PlanError, RangeError
 from hybrid_transfer.plan.executor import MemorySpace, execute
-from hybrid_transfer.plan.planner import to_pack
-from hybrid_transfer.plan.types import PlanMode, ReadPlan, SourcePlan
+from hybrid_transfer.plan.stage_layout import StageLayout, map_rows
+from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan, SourcePlan
 
 I64 = np.int64
 
@@ -24,7 +24,7 @@ def spaces():
 
 
 def plan_of(source) -> ReadPlan:
-    return ReadPlan(0, PlanMode.COALESCED, (source,), (), 1, int(source.length.sum()))
+    return ReadPlan(0, PlanMode.COALESCED, (source,), (), 1, source.total_bytes)
 
 
 ROWS = (np.array([0x9000, 0x9010, 0x9004], dtype=I64), np.array([0x1040, 0x1000, 0x10F0], dtype=I64),
@@ -46,10 +46,15 @@ def test_direct_rows_copy_remote_bytes_to_local():
 
 
 def test_pack_rows_gather_read_and_scatter_the_same_bytes():
+    """The source stages more than this rank reads (another rank's share sits between): two read ranges."""
     src, dst, dst_buf = spaces()
-    packed = to_pack(0, *ROWS)
-    assert packed.gather_src.tolist() == [0x1000, 0x1040, 0x10F0]
-    assert packed.staging_offset.tolist() == [0, 8, 12]
+    addr = np.array([0x1000, 0x1080, 0x1040, 0x10F0], dtype=I64)  # staged in this order, 0x1080 not ours
+    length = np.array([8, 16, 4, 2], dtype=I64)
+    layout = StageLayout(addr, length, np.array([0, 8, 24, 28], dtype=I64))
+    direct = SourcePlan(0, *ROWS)
+    packed = PackSourcePlan(direct, layout, map_rows(layout, *ROWS))
+    assert list(zip(packed.read.remote_offset.tolist(), packed.read.length.tolist(), strict=True)) == [(0, 8), (24, 6)]
+    assert (packed.num_descriptors, packed.total_bytes, packed.staged_bytes) == (2, 14, 30)
     execute(plan_of(packed), dst, {0: src})
     assert np.array_equal(dst_buf, expected())
 

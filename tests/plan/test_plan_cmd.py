@@ -50,6 +50,10 @@ def test_one_decode_rank_in_pack_mode(capsys):
     assert d["decode_rank"] == 1 and d["descriptors"] == 4
     assert [s["rank"] for s in d["sources"]] == [4, 5, 6, 7]
     assert all(s["descriptors"] == 1 and s["pieces"] > 1 for s in d["sources"])
+    # The READ ranges the engine posts: offsets into each source's staging, as many as the descriptors.
+    for s in d["sources"]:
+        assert len(s["read_ranges"]) == s["descriptors"]
+        assert sum(n for _, n in s["read_ranges"]) == s["bytes"] <= s["staged_bytes"]
 
 
 def test_table_names_sources_and_totals(capsys):

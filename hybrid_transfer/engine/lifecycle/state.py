@@ -129,11 +129,11 @@ class ReadResult:
     finished_at: float
     error: BaseException | None = None
     cause: FailureCause | None = None  # FAILED only
-    # Timings (engine/pack_reader.py); the transfer time is finished_at - posted_at, scatter included.
-    posted_at: float = 0.0  # first READ (or staging query) posted; 0.0 when nothing was posted
+    # Timings (engine/pack/reader.py); the transfer time is finished_at - posted_at, scatter included.
+    posted_at: float = 0.0  # the request's sources posted (direct READs, staged ones); 0.0 when nothing was
     gather_s: float = 0.0  # pack: the producers' gather (off this request's critical path), slowest source
-    read_s: float = 0.0  # post until every READ was DONE (pack: the staging query's round trip included)
-    query_s: float = 0.0  # pack: the staging query's round trip, slowest source (PENDING answers included)
+    read_s: float = 0.0  # post until every READ was DONE (pack: any wait for the Staged notification included)
+    query_s: float = 0.0  # pack: post until the source's Staged notification (0 if it came first), slowest source
     scatter_s: float = 0.0  # pack: the scatters into the local blocks, summed over sources
     num_packed_sources: int = 0  # sources read through staging
     num_fallback_sources: int = 0  # pack / auto sources read directly after all (staging absent or full)

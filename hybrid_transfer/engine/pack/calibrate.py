@@ -18,8 +18,8 @@ import numpy as np
 
 from hybrid_transfer.engine.agent import NixlAgent, XferState
 from hybrid_transfer.engine.config import CostParams
-from hybrid_transfer.engine.gather_scatter import Copier
-from hybrid_transfer.engine.staging import StagingPool
+from hybrid_transfer.engine.pack.gather_scatter import Copier
+from hybrid_transfer.engine.pack.staging import StagingPool
 from hybrid_transfer.errors import ConfigError, EngineError
 from hybrid_transfer.plan.cost import CostModel
 
