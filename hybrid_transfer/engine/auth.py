@@ -29,9 +29,10 @@ import secrets
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -210,22 +211,16 @@ class Link:
         self.received = counter
 
 
-@dataclass
 class RejectionLog:
-    """Rejected messages, counted by cause and logged as one line per cause per interval (never one per message)."""
+    """Rejected messages, counted by cause; the warning goes through the owner's LogGate (log_gate.py),
+    which logs one line per cause per interval and a count of the rest (never one line per message)."""
 
-    who: str
-    interval_s: float = 60.0
-    counts: Counter[str] = field(default_factory=Counter)
-    _since_log: Counter[str] = field(default_factory=Counter)
-    _next_log_at: float = 0.0
+    def __init__(self, who: str, gate: LogGate):
+        self.who = who
+        self.counts: Counter[str] = Counter()
+        self._gate = gate
 
-    def add(self, cause: str, sender: str, now: float) -> None:
+    def add(self, cause: str, sender: str) -> None:
         self.counts[cause] += 1
-        self._since_log[cause] += 1
-        if now >= self._next_log_at:
-            self._next_log_at = now + self.interval_s
-            for what, n in sorted(self._since_log.items()):
-                log.warning("%s: dropped %d notification(s) that failed authentication (%s), latest from %r",
-                            self.who, n, what, sender[:80])
-            self._since_log.clear()
+        self._gate.warning(f"auth:{cause}", "%s: dropped a notification that failed authentication (%s) from %r",
+                           self.who, cause, sender[:80])

@@ -47,6 +47,7 @@ from hybrid_transfer.engine.lifecycle.state import (
     ReadState,
     transition,
 )
+from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.pack.reader import PackReader
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_agent_name
 from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
@@ -163,7 +164,8 @@ class Consumer:
         self._owners: dict[int, str] = {}  # local block id -> the not yet reported request that owns it
         self._tombstones = Tombstones()
         self._records = self._peers.records  # producer agent -> its one record (stage, link, error when GONE)
-        self.rejections = auth.RejectionLog(f"consumer {self.agent.name}")  # .counts: cause -> dropped
+        self._log = LogGate(log, self._clock)  # repeated warnings: one line per cause per interval
+        self.rejections = auth.RejectionLog(f"consumer {self.agent.name}", self._log)  # .counts: cause -> dropped
         self._next_heartbeat_at = clock()
         # At most notifications_per_poll handled per poll (inbox.py). A Revoke may wait in the backlog, so
         # no READ is judged DONE while one is left (see _advance).
@@ -285,6 +287,7 @@ class Consumer:
         # Also progresses NIXL (progress thread OFF): flushes our notifications, serves peers' wire-up.
         # Revocations are taken in before any READ is judged DONE (see the module docstring).
         self._take_notifications()
+        self._log.flush()
         self._pack.expire_waits()  # pack: sources whose Staged notification never came read directly
         now = self._clock()
         self._tombstones.prune(now)
@@ -671,7 +674,7 @@ class Consumer:
                     raise WireDecodeError("a sealed notification whose inner message is not ours")
                 return inner
         self.stats.rejected += 1
-        self.rejections.add(cause, sender, self._clock())
+        self.rejections.add(cause, sender)
         return None
 
     def _on_claim_reply(self, sender: str, body: wire.ClaimReply, now: float) -> None:

@@ -169,10 +169,10 @@ class Producer:
                                        self.config.early_completion_limit)
         # Consumer agents that said Hello and were welcomed (stage WELCOMED): the only readers.
         self._peers: dict[str, PeerRecord] = {}
-        self.rejections = auth.RejectionLog(f"producer {self.agent.name}")  # .counts: cause -> dropped
         # A bounded amount of work per poll (inbox.py), and one log line per cause per interval (log_gate.py).
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._log = LogGate(log, clock)
+        self.rejections = auth.RejectionLog(f"producer {self.agent.name}", self._log)  # .counts: cause -> dropped
         self._next_probe_at = 0.0  # producer clock: when poll() next checks the watched consumer agents
 
     # ---- identity ---------------------------------------------------------------
@@ -503,7 +503,7 @@ class Producer:
 
     def _reject(self, cause: str, sender: str) -> None:
         self.stats.rejected += 1
-        self.rejections.add(cause, sender, self._clock())
+        self.rejections.add(cause, sender)
 
     def _on_completion(self, sender: str, body: wire.Completion) -> None:
         hold = self._book.get(body.request_id)
