@@ -159,7 +159,10 @@ class NixlAgent:
         # The UCX backend is created below, not by the agent's config: its thread-pool parameters depend on
         # the memory the agent moves (``device_memory``, config.py), and split_batch_size is only reachable
         # through create_backend.
-        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[])
+        # A posting thread means two threads call this agent (never at once: our lock): tell NIXL, so the
+        # backend it creates is prepared for calls from more than one thread.
+        sync = {"sync_mode": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT} if post_thread else {}
+        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[], **sync)
         try:
             with _progress_delay(api, config.progress_delay_us):
                 self._agent = api.nixl_agent(name, conf)
