@@ -26,6 +26,7 @@ import enum
 import importlib
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -134,6 +135,17 @@ class XferHandle:
         return self.state is XferState.RELEASED
 
 
+class PostStats:
+    """Time inside NIXL's create and post calls of READs (either thread), for the time split of a run."""
+
+    __slots__ = ("posts", "post_s", "queued_s")
+
+    def __init__(self):
+        self.posts = 0
+        self.post_s = 0.0  # create + transfer, summed
+        self.queued_s = 0.0  # posting thread only: handed over -> its post began (the lock taken), summed
+
+
 class NixlAgent:
     """One rank's NIXL agent: registered cache regions, remote peers, READs and notifications.
 
@@ -174,6 +186,7 @@ class NixlAgent:
         self.backend_params = self._create_backend(device_memory)  # what the UCX backend was created with
         # With a posting thread every NIXL call takes this lock (module docstring); without, no lock at all.
         self._lock = threading.RLock() if post_thread else None
+        self.post_stats = PostStats()
         self._poster = Poster(name, self._post_queued, thread_init=thread_init) if post_thread else None
 
     @property
@@ -277,7 +290,7 @@ class NixlAgent:
             if self._closed:
                 raise EngineError("the agent is closed", operation="post READ", agent=self.name, peer=peer)
             xfer = XferHandle(None, peer, n, num_bytes)
-            xfer.posted, xfer.descs = False, (local, remote)
+            xfer.posted, xfer.descs = False, (local, remote, time.perf_counter())
             self._live.add(xfer)
             try:
                 self._poster.submit(xfer)
@@ -287,12 +300,15 @@ class NixlAgent:
                 raise
             return xfer
         xfer: XferHandle | None = None
+        t0 = time.perf_counter()
         try:
             with self._wrap("post READ", peer):
                 handle, dlists = self._create(peer, local, remote)
                 xfer = XferHandle(handle, peer, n, num_bytes, dlists)
                 self._live.add(xfer)
                 xfer.state = XferState.parse(self._agent.transfer(handle))
+            self.post_stats.posts += 1
+            self.post_stats.post_s += time.perf_counter() - t0
         except EngineError:
             if xfer is not None:
                 xfer.state = XferState.ERR
@@ -323,10 +339,14 @@ class NixlAgent:
                 error = EngineError(f"the posting thread could not start: {self._poster.init_error}",
                                     operation="post READ", agent=self.name, peer=xfer.peer)
             else:
-                local, remote = xfer.descs
+                local, remote, queued_at = xfer.descs
                 with self._wrap("post READ", xfer.peer):
+                    t0 = time.perf_counter()  # the lock is ours: what follows is NIXL's time
                     xfer.handle, xfer._dlists = self._create(xfer.peer, local, remote)
                     state = XferState.parse(self._agent.transfer(xfer.handle))
+                stats = self.post_stats
+                stats.posts, stats.post_s, stats.queued_s = (stats.posts + 1, stats.post_s + time.perf_counter() - t0,
+                                                             stats.queued_s + t0 - queued_at)
         except EngineError as exc:
             error = exc
         except BaseException as exc:  # a bug must not kill the thread silently: the READ fails loudly
