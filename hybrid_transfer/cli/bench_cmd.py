@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="descriptors per UCX thread-pool task; None means the engine's default")
     parser.add_argument("--post-thread", choices=["on", "off"], default=None,
                         help="decode ranks create and post their READs on a second thread (on) or on their own "
-                        "thread (off); default: the engine's choice for the cache's memory (on for GPU caches, "
+                        "thread (off); default: the engine's (off: measured, it did not help on one H200, "
                         "docs/tuning.md#posting-thread)")
     parser.add_argument("--verify", action="store_true",
                         help="fill sources with the global-coordinate pattern and check every byte of every "

@@ -88,10 +88,11 @@ _STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
 # (num_threads, split_batch_size) of the UCX backend when the config leaves them None; see the module docstring.
 GPU_BACKEND_DEFAULTS: tuple[int, int | None] = (4, 16)
 HOST_BACKEND_DEFAULTS: tuple[int, int | None] = (0, None)
-# Consumer posting thread when the config leaves it None (docs/tuning.md#posting-thread): on GPU caches UCX's
-# per-descriptor posting work is CPU time the owner thread can spend planning; on the 2-core CPU hosts the copy
-# itself runs inside the post and there is no core to spare.
-GPU_POST_THREAD = True
+# Consumer posting thread when the config leaves it None (docs/tuning.md#posting-thread): off on both. Measured on
+# one H200 (P1->D1, 16 requests, 4 in flight) it did not beat posting on the owner thread (406 against 456 GB/s
+# for fragmentation 0) and fragmented rounds stalled for 40-67 ms; on the 2-core CPU hosts the copy runs inside
+# the post and there is no core to spare.
+GPU_POST_THREAD = False
 HOST_POST_THREAD = False
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
@@ -157,8 +158,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         CURVE, the server key derived from the shared secret, which it therefore needs; every rank of
         both engines must agree. Cache bytes over NIXL stay unencrypted (docs/security.md).
     post_thread: a consumer rank creates and posts its READs on a second thread (engine/poster.py), so its
-        own thread plans and polls while UCX posts (docs/tuning.md#posting-thread). None: on for GPU
-        caches, off for host caches (GPU_POST_THREAD / HOST_POST_THREAD, measured below).
+        own thread plans and polls while UCX posts (docs/tuning.md#posting-thread). None: off for both
+        GPU and host caches (GPU_POST_THREAD / HOST_POST_THREAD: measured, it did not help).
     peer_probe_s: how often a producer rank checks, on its own clock, that the consumer agents which
         claimed a request it still holds are alive (one NIXL notification each; docs/lifecycle.md,
         "Fast reclaim"). NIXL reporting one disconnected ends its requests at once instead of at the
