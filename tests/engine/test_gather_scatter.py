@@ -95,14 +95,26 @@ def test_pieces_outside_the_tensors_and_oversized_lists_are_refused():
 def test_index_cache_maps_rows_to_pieces_once_per_shape_and_forgets_the_oldest():
     cache = IndexCache(torch.device("cpu"), capacity=2)
     rows_per = np.array([3, 1, 2], dtype=np.int64)
-    got = cache.piece_of_row(rows_per, 6)
-    assert got.tolist() == [0, 0, 0, 1, 2, 2]
-    assert cache.piece_of_row(rows_per.copy(), 6) is got and (cache.hits, cache.misses) == (1, 1)
-    cache.piece_of_row(np.array([1, 1], dtype=np.int64), 2)
-    cache.piece_of_row(np.array([2], dtype=np.int64), 2)  # a third shape: the least recently used goes
+    piece, within = cache.shape(256, rows_per, 6)
+    assert piece.tolist() == [0, 0, 0, 1, 2, 2] and within.tolist() == [0, 1, 2, 0, 0, 1]
+    assert cache.shape(256, rows_per.copy(), 6)[0] is piece and (cache.hits, cache.misses) == (1, 1)
+    assert cache.shape(128, rows_per, 6)[0] is not piece  # another row width is another shape
+    cache.shape(256, np.array([2], dtype=np.int64), 2)  # a third shape: the least recently used goes
     assert len(cache) == 2
-    assert cache.piece_of_row(rows_per, 6) is not got and cache.misses == 4
-    assert cache.arange(5).tolist() == [0, 1, 2, 3, 4] and cache.arange(12).tolist() == list(range(12))
+    assert cache.shape(256, rows_per, 6)[0] is not piece and cache.misses == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows_per=st.lists(st.integers(1, 40), min_size=1, max_size=30), seed=st.integers(0, 2**32 - 1))
+def test_the_cached_shape_and_first_rows_make_the_row_index_the_device_path_uses(rows_per, seed):
+    """first_row[piece(k)] + within[k] (the CUDA path's two kernels) is the row index, checked on CPU."""
+    rows_per = np.array(rows_per, dtype=np.int64)
+    first_row = np.random.default_rng(seed).integers(0, 10**6, rows_per.shape[0])
+    piece, within = IndexCache(torch.device("cpu")).shape(64, rows_per, int(rows_per.sum()))
+    index = torch.from_numpy(first_row).index_select(0, piece)
+    index.add_(within)
+    want = np.concatenate([np.arange(f, f + n) for f, n in zip(first_row.tolist(), rows_per.tolist(), strict=True)])
+    assert index.dtype == torch.int64 and index.tolist() == want.tolist()
 
 
 def _shifted_requests(device: str):
