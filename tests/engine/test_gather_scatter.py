@@ -190,3 +190,28 @@ def test_cuda_wide_rows_keep_every_bit_pattern():
     back = torch.zeros(total, dtype=torch.uint8, device="cuda")
     copier.gather(requests[0], lengths, back).wait()
     assert torch.equal(back, staging)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
+def test_cuda_scatter_runs_on_the_copiers_stream_and_is_done_only_when_its_event_is():
+    """The scatter returns while its stream is still busy (the caller never waits), the caller's stream is not
+    held behind it, and is_done turns True only once the bytes are in place."""
+    cache, requests, lengths = _shifted_requests("cuda")
+    copier = Copier(Arena(cache))
+    total = int(lengths.sum())
+    staging = torch.full((total,), 0xA5, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier._stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles ahead of the scatter on its stream
+    ticket = copier.scatter(staging, requests[0], lengths)
+    assert not ticket.is_done and ticket.elapsed_s == 0.0
+    marker = torch.zeros(1, device="cuda")
+    marker += 1  # on the caller's (default) stream: not queued behind the copier's stream
+    torch.cuda.current_stream().synchronize()
+    assert not ticket.is_done
+    while not ticket.is_done:
+        pass
+    assert ticket.elapsed_s > 0 and 0 <= ticket.index_s <= ticket.elapsed_s
+    back = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    copier.gather(requests[0], lengths, back).wait()
+    assert bool((back == 0xA5).all())
