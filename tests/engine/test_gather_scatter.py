@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybrid_transfer.engine.pack import gather_scatter
 from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, IndexCache
 from hybrid_transfer.errors import PlanError, RangeError
 
@@ -157,16 +158,18 @@ def test_requests_of_one_shape_reuse_the_index_map_and_land_bitwise(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
 def test_cuda_scatters_queued_back_to_back_land_in_stream_order():
-    """More scatters queued than the pinned ring has slots: each lands, in the order queued on the copier stream."""
+    """More scatters queued behind a busy stream than the pinned ring has slots: none waits (the ring grows),
+    each lands, in the order queued on the copier stream."""
     cache, requests, lengths = _shifted_requests("cuda")
     copier = Copier(Arena(cache))
     total = int(lengths.sum())
-    tickets, stagings = [], []
-    for k in range(20):  # more than the pinned ring's slots: a slot is reused only after its upload ran
-        staging = torch.full((total,), k, dtype=torch.uint8, device="cuda")
-        torch.cuda.current_stream().synchronize()
-        stagings.append(staging)
-        tickets.append(copier.scatter(staging, requests[k % 2], lengths))
+    slots = len(copier._pinned)
+    stagings = [torch.full((total,), k, dtype=torch.uint8, device="cuda") for k in range(20)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier._stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: every upload below stays queued while the host goes on
+    tickets = [copier.scatter(stagings[k], requests[k % 2], lengths) for k in range(20)]
+    assert not tickets[0].is_done and len(copier._pinned) > slots
     for t in tickets:
         t.wait()
     for k in (18, 19):  # the last scatter of each destination set wins
@@ -215,3 +218,30 @@ def test_cuda_scatter_runs_on_the_copiers_stream_and_is_done_only_when_its_event
     back = torch.zeros(total, dtype=torch.uint8, device="cuda")
     copier.gather(requests[0], lengths, back).wait()
     assert bool((back == 0xA5).all())
+
+
+class _Event:
+    def __init__(self, done: bool):
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_the_pinned_ring_reuses_finished_slots_and_grows_instead_of_waiting(monkeypatch):
+    """Bookkeeping only (CPU has no pinned memory): a slot whose upload ran is reused, a busy ring grows, and
+    only past its cap is the oldest upload waited for."""
+    monkeypatch.setattr(gather_scatter, "_PINNED_MAX", 3)
+    ring = gather_scatter._PinnedRing(2)
+    first, second = ring._slots
+    first[1], second[1] = _Event(True), _Event(False)
+    assert ring._free_slot() is first and len(ring) == 2  # its upload ran: reused
+    first[1] = _Event(False)
+    grown = ring._free_slot()  # both queued: a third slot, no wait
+    assert grown is not first and grown is not second and len(ring) == 3
+    grown[1] = _Event(False)
+    waited = ring._free_slot()  # at the cap: the oldest is waited for
+    assert len(ring) == 3 and waited[1].waited

@@ -44,7 +44,8 @@ _ROW_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.u
 # pattern (NaN payloads included) survives; tests/engine/test_gather_scatter.py checks it bitwise on CUDA.
 _CUDA_ROW_DTYPES = ((16, torch.complex128),) + _ROW_DTYPES
 INDEX_CACHE_SHAPES = 16  # row -> piece maps kept per copier (a few MB each for a 397B request)
-_PINNED_SLOTS = 8  # per-request shift uploads in flight per copier
+_PINNED_SLOTS = 8  # per-request first-row uploads in flight per copier, to start with
+_PINNED_MAX = 256  # ... at most (each a few KB): past it a new upload waits for the oldest
 
 
 class _HostIface:
@@ -188,25 +189,46 @@ class IndexCache:
 
 
 class _PinnedRing:
-    """Pinned host buffers for small uploads that must not wait for the stream (pageable copies would)."""
+    """Pinned host buffers for small uploads that must not wait for the stream (pageable copies would).
+
+    A slot is reused once its last upload ran; when every slot's upload is still queued (the copier's stream
+    is that far behind) another slot is added rather than waiting, up to ``_PINNED_MAX`` (then the oldest is
+    waited for: bounded by that upload's queue). The decode thread never blocks on a backlog of scatters.
+    """
 
     def __init__(self, slots: int = _PINNED_SLOTS):
         self._slots: list[list] = [[torch.empty(0, dtype=torch.int64), None, 0] for _ in range(slots)]  # buf, event, n
         self._next = 0
 
-    def stage(self, values: np.ndarray) -> list:
-        """Copy ``values`` (int64) into the next free pinned slot (host work only); pass the slot to ``upload``."""
+    def _free_slot(self) -> list:
+        for _ in range(len(self._slots)):
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % len(self._slots)
+            if slot[1] is None or slot[1].query():
+                return slot
+        if len(self._slots) < _PINNED_MAX:
+            slot = [torch.empty(0, dtype=torch.int64), None, 0]
+            self._slots.insert(self._next, slot)
+            self._next = (self._next + 1) % len(self._slots)
+            return slot
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
-        if slot[1] is not None:
-            slot[1].synchronize()  # the slot's last upload; long finished unless uploads outrun the stream
-            slot[1] = None
+        slot[1].synchronize()
+        return slot
+
+    def stage(self, values: np.ndarray) -> list:
+        """Copy ``values`` (int64) into a free pinned slot (host work only); pass the slot to ``upload``."""
+        slot = self._free_slot()
+        slot[1] = None
         n = values.shape[0]
         if slot[0].shape[0] < n:
             slot[0] = torch.empty(max(n, 2 * slot[0].shape[0]), dtype=torch.int64, pin_memory=True)
         slot[0][:n].numpy()[:] = values
         slot[2] = n
         return slot
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def upload(self, slot: list, device: torch.device, stream) -> torch.Tensor:
         """The staged values on the device, copied on ``stream`` (the current one) without waiting for it."""
