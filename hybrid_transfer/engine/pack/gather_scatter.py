@@ -156,6 +156,9 @@ class IndexCache:
         self.capacity = capacity
         self._maps: collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
         self.views: dict[int, tuple] = {}  # row width -> (element width, dtype, arena rows): Copier's
+        # A miss uploads from pageable host memory, which waits for the stream it is issued on: built on a stream
+        # of its own (idle), so a copier stream backlogged with earlier scatters never blocks the caller.
+        self._build_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.hits = 0
         self.misses = 0
 
@@ -171,14 +174,19 @@ class IndexCache:
             self._maps.move_to_end(key)
             return found
         self.misses += 1
-        small = num_rows < 2**31
-        counts = torch.as_tensor(rows_per, device=self.device)
-        pieces = torch.arange(rows_per.shape[0], dtype=torch.int32 if small else torch.int64, device=self.device)
-        piece_of_row = torch.repeat_interleave(pieces, counts, output_size=num_rows)
-        before = torch.as_tensor(np.cumsum(rows_per) - rows_per, device=self.device)
-        within = torch.arange(num_rows, dtype=torch.int64, device=self.device)
-        within -= before.index_select(0, piece_of_row)
-        found = (piece_of_row, within.to(torch.int32) if small else within)
+        user = torch.cuda.current_stream(self.device)  # the copier's: it waits for the maps, not the host
+        with torch.cuda.stream(self._build_stream):
+            small = num_rows < 2**31
+            counts = torch.as_tensor(rows_per, device=self.device)
+            pieces = torch.arange(rows_per.shape[0], dtype=torch.int32 if small else torch.int64, device=self.device)
+            piece_of_row = torch.repeat_interleave(pieces, counts, output_size=num_rows)
+            before = torch.as_tensor(np.cumsum(rows_per) - rows_per, device=self.device)
+            within = torch.arange(num_rows, dtype=torch.int64, device=self.device)
+            within -= before.index_select(0, piece_of_row)
+            found = (piece_of_row, within.to(torch.int32) if small else within)
+        user.wait_stream(self._build_stream)
+        for t in found:  # used on the copier's stream: not reused before its queued work is done, once evicted
+            t.record_stream(user)
         self._maps[key] = found
         if len(self._maps) > self.capacity:
             self._maps.popitem(last=False)
