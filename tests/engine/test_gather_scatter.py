@@ -203,12 +203,17 @@ def test_cuda_scatter_runs_on_the_copiers_stream_and_is_done_only_when_its_event
     copier = Copier(Arena(cache))
     total = int(lengths.sum())
     staging = torch.full((total,), 0xA5, dtype=torch.uint8, device="cuda")
+    # Every kernel loaded once first (CUDA's lazy module loading may wait for the device), then a fresh index
+    # cache: the scatter under test misses it and must build its maps without waiting for the busy stream.
+    copier.scatter(staging, requests[0], lengths).wait()
+    marker = torch.zeros(1, device="cuda")
+    marker += 1
+    copier.index_cache = IndexCache(copier.device)
     torch.cuda.synchronize()
     with torch.cuda.stream(copier._stream):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles ahead of the scatter on its stream
     ticket = copier.scatter(staging, requests[0], lengths)
     assert not ticket.is_done and ticket.elapsed_s == 0.0
-    marker = torch.zeros(1, device="cuda")
     marker += 1  # on the caller's (default) stream: not queued behind the copier's stream
     torch.cuda.current_stream().synchronize()
     assert not ticket.is_done

@@ -174,23 +174,29 @@ class IndexCache:
             self._maps.move_to_end(key)
             return found
         self.misses += 1
-        user = torch.cuda.current_stream(self.device)  # the copier's: it waits for the maps, not the host
-        with torch.cuda.stream(self._build_stream):
-            small = num_rows < 2**31
-            counts = torch.as_tensor(rows_per, device=self.device)
-            pieces = torch.arange(rows_per.shape[0], dtype=torch.int32 if small else torch.int64, device=self.device)
-            piece_of_row = torch.repeat_interleave(pieces, counts, output_size=num_rows)
-            before = torch.as_tensor(np.cumsum(rows_per) - rows_per, device=self.device)
-            within = torch.arange(num_rows, dtype=torch.int64, device=self.device)
-            within -= before.index_select(0, piece_of_row)
-            found = (piece_of_row, within.to(torch.int32) if small else within)
-        user.wait_stream(self._build_stream)
-        for t in found:  # used on the copier's stream: not reused before its queued work is done, once evicted
-            t.record_stream(user)
+        if self._build_stream is None:
+            found = self._build(rows_per, num_rows)
+        else:
+            user = torch.cuda.current_stream(self.device)  # the copier's: it waits for the maps, not the host
+            with torch.cuda.stream(self._build_stream):
+                found = self._build(rows_per, num_rows)
+            user.wait_stream(self._build_stream)
+            for t in found:  # used on the copier's stream: not reused before its queued work is done, once evicted
+                t.record_stream(user)
         self._maps[key] = found
         if len(self._maps) > self.capacity:
             self._maps.popitem(last=False)
         return found
+
+    def _build(self, rows_per: np.ndarray, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        small = num_rows < 2**31
+        counts = torch.as_tensor(rows_per, device=self.device)
+        pieces = torch.arange(rows_per.shape[0], dtype=torch.int32 if small else torch.int64, device=self.device)
+        piece_of_row = torch.repeat_interleave(pieces, counts, output_size=num_rows)
+        before = torch.as_tensor(np.cumsum(rows_per) - rows_per, device=self.device)
+        within = torch.arange(num_rows, dtype=torch.int64, device=self.device)
+        within -= before.index_select(0, piece_of_row)
+        return piece_of_row, within.to(torch.int32) if small else within
 
     def __len__(self) -> int:
         return len(self._maps)
