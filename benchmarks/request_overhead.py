@@ -153,7 +153,9 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
         rows.append({"fragmentation": frag, "descriptors": results[0].num_descriptors, "bytes": results[0].num_bytes,
                      **row, "python_ms_max": max(s["python_ms"] for s in samples)})
     if profiler is not None:  # on stderr: where the Python work goes (profiling slows it down)
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(45)
     conn.send(rows)
     consumer.close()
 
@@ -215,7 +217,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (tottime) on stderr")
+    parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (by tottime, then cumulative) on stderr")
     args = parser.parse_args()
     if args.device == "cuda":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
