@@ -52,6 +52,9 @@ def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: i
         raise GroupCountError(side=side, expected=num_groups, actual=len(block_ids))
     out = []
     for group, ids in enumerate(block_ids):
+        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+            out.append(ids)  # already converted (the consumer converts once and plans with the arrays)
+            continue
         arr = np.asarray(ids)
         if arr.size == 0:
             arr = np.empty(0, dtype=np.int64)
