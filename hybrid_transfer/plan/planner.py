@@ -65,6 +65,7 @@ class Planner:
         self.local = geometry_from_descriptor(model, local)
         prefill_tp = self._check_remotes(local.tp_size)
         self.topology = Topology(prefill_tp=prefill_tp, decode_tp=local.tp_size, decode_rank=local.tp_rank)
+        self._notify = self.topology.notify  # the same for every request
         # Every remote descriptor is checked against its geometry, not only the ones this rank reads.
         all_geos = [geometry_from_descriptor(model, d) for d in self.remote_descs]
         geos = {s: all_geos[s] for s in self.topology.sources}
@@ -150,7 +151,7 @@ class Planner:
     @property
     def notify(self) -> tuple[Notification, ...]:
         """Producer ranks to notify after every request, with the consumer count each must expect."""
-        return self.topology.notify
+        return self._notify
 
     def expected_bytes(self, num_tokens: int) -> int:
         """Valid payload bytes this rank receives for a request (``validate.expected_bytes``, precomputed)."""
@@ -195,7 +196,7 @@ class Planner:
             decode_rank=self.local.tp_rank,
             mode=mode,
             sources=tuple(sources),
-            notify=self.topology.notify,
+            notify=self._notify,
             num_tokens=num_tokens,
             expected_bytes=self.planned_bytes(num_tokens, mode),
             meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
