@@ -184,14 +184,15 @@ class Planner:
         num_groups = len(self._kinds)
         local_ids = block_id_arrays("local", local_block_ids, num_groups)
         remote_ids = block_id_arrays("remote", remote_block_ids, num_groups)
+        flat_l, flat_r = _flat(local_ids), _flat(remote_ids)
         if validate:
             validate_block_ids("local", local_ids, self._kinds, num_tokens, self.local.block_size,
-                               self.local_desc.num_blocks, exact=False)
+                               self.local_desc.num_blocks, exact=False, flat=flat_l)
             validate_block_ids("remote", remote_ids, self._kinds, num_tokens, self.remote.block_size,
-                               self._remote_num_blocks, exact=True)
+                               self._remote_num_blocks, exact=True, flat=flat_r)
         sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
         if num_tokens > 0:
-            sources = self._build_sources(num_tokens, local_ids, remote_ids, mode, cost or self.cost)
+            sources = self._build_sources(num_tokens, local_ids, remote_ids, flat_l, flat_r, mode, cost or self.cost)
         plan = ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
@@ -228,14 +229,13 @@ class Planner:
         return rec
 
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
-                       mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
-        """Pieces of every source at once (the shape's cached recipe), one merge, one broadcast over tensors,
-        then one plan per source."""
+                       flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
+        """Pieces of every source at once (the shape's cached recipe over ``flat_*``, the id lists concatenated),
+        one merge, one broadcast over tensors, then one plan per source."""
         naive = mode is PlanMode.NAIVE
         # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
         token_end = naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens
         rec = self._recipe(token_end, naive, local_ids, remote_ids)
-        flat_l, flat_r = _flat(local_ids), _flat(remote_ids)
         pieces = rec.pieces(flat_l, flat_r, self._local_page, self._remote_page)
         rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
         num_sources = len(self.templates)

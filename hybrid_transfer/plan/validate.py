@@ -66,11 +66,12 @@ def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: i
 
 
 def validate_block_ids(side: str, ids: Sequence[np.ndarray], kinds: Sequence[LayerKind], num_tokens: int,
-                       block_size: int, num_blocks: int, *, exact: bool) -> None:
+                       block_size: int, num_blocks: int, *, exact: bool, flat: np.ndarray | None = None) -> None:
     """List lengths (docs/planner.md#token-rules), id range, uniqueness within and across groups.
 
     ``exact``: the attention list must cover exactly ceil(num_tokens / block_size) blocks
     (the producer side); otherwise at least that many (the consumer may hold extra blocks).
+    ``flat``: ``ids`` already concatenated (the planner's), left as it is.
     """
     need = -(-num_tokens // block_size)
     for group, (arr, kind) in enumerate(zip(ids, kinds, strict=True)):
@@ -80,11 +81,13 @@ def validate_block_ids(side: str, ids: Sequence[np.ndarray], kinds: Sequence[Lay
                 raise BlockCountError(side=side, group=group, expected=1, actual=n)
         elif (n != need) if exact else (n < need):
             raise BlockCountError(side=side, group=group, expected=need, actual=n, at_least=not exact)
-    flat = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
-    if flat.shape[0] == 0:
+    if flat is not None:
+        srt = np.sort(flat)
+    else:
+        srt = np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+        srt.sort()  # np.concatenate made a copy: sort it in place
+    if srt.shape[0] == 0:
         return
-    srt = flat  # np.concatenate made a copy: sort it in place
-    srt.sort()
     if srt[0] < 0 or srt[-1] >= num_blocks:
         for group, arr in enumerate(ids):
             bad = arr[(arr < 0) | (arr >= num_blocks)]
