@@ -5,7 +5,9 @@ default EngineConfig (coalesced plans, DIRECT descriptors). Inside the consumer,
 NIXL agent (descriptor lists, initialize_xfer, transfer, check_xfer_state, release, notifications) is
 timed by a wrapper; the consumer's Python work is the rest:
 
-  start_read   the call (plan, validation, post), and of it: NIXL, the planner
+  start_read   the call (plan, validation, post), and of it: NIXL, the planner (plan), the Python inside
+               _post less NIXL (post: descriptor lists, handles, the claim) and the rest less NIXL (checks:
+               ticket and id checks, block ownership, the MAC)
   done poll    the poll() that reported the request DONE (check, release, notify), and of it: NIXL
   polls        every poll() between post and DONE (their count, their Python work summed)
   python       start_read + every poll of the request, minus NIXL: the per-request CPU cost the engine
@@ -117,6 +119,17 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
             plan_s[0] += time.perf_counter() - t0
 
     consumer._plan = timed_plan
+    post_s = [0.0]  # Python inside _post (NIXL's calls taken out): descriptor lists, handles, the claim
+    post = consumer._post
+
+    def timed_post(*args, **kwargs):
+        t0, nixl0 = time.perf_counter(), timed.spent
+        try:
+            return post(*args, **kwargs)
+        finally:
+            post_s[0] += time.perf_counter() - t0 - (timed.spent - nixl0)
+
+    consumer._post = timed_post
     consumer.connect(conn.recv())
     profiler = cProfile.Profile() if profile else None
     rows = []
@@ -125,12 +138,12 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
         samples = []
         for i in range(reps + 1):
             ticket = conn.recv()
-            timed.spent, plan_s[0] = 0.0, 0.0
+            timed.spent, plan_s[0], post_s[0] = 0.0, 0.0, 0.0
             if profiler is not None and i:
                 profiler.enable()
             t0 = time.perf_counter()
             consumer.start_read(ticket, local.block_ids, expected_state_position=tokens)
-            start_s, start_nixl, start_plan = time.perf_counter() - t0, timed.spent, plan_s[0]
+            start_s, start_nixl, start_plan, start_post = time.perf_counter() - t0, timed.spent, plan_s[0], post_s[0]
             polls, poll_py, results = 0, 0.0, []
             while not results:
                 timed.spent = 0.0
@@ -145,7 +158,8 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
                 raise RuntimeError(f"read failed: {results[0].error}")
             if i:  # the first read of each layout warms up
                 samples.append({"start_ms": 1e3 * start_s, "start_nixl_ms": 1e3 * start_nixl,
-                                "plan_ms": 1e3 * start_plan, "done_poll_ms": 1e3 * p_s,
+                                "plan_ms": 1e3 * start_plan, "post_ms": 1e3 * start_post,
+                                "checks_ms": 1e3 * (start_s - start_nixl - start_plan - start_post), "done_poll_ms": 1e3 * p_s,
                                 "done_poll_nixl_ms": 1e3 * timed.spent, "polls": polls,
                                 "python_ms": 1e3 * (start_s - start_nixl + poll_py)})
             conn.send("next")
@@ -153,7 +167,9 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
         rows.append({"fragmentation": frag, "descriptors": results[0].num_descriptors, "bytes": results[0].num_bytes,
                      **row, "python_ms_max": max(s["python_ms"] for s in samples)})
     if profiler is not None:  # on stderr: where the Python work goes (profiling slows it down)
-        pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(45)
     conn.send(rows)
     consumer.close()
 
@@ -215,7 +231,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (tottime) on stderr")
+    parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (by tottime, then cumulative) on stderr")
     args = parser.parse_args()
     if args.device == "cuda":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
@@ -223,11 +239,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print(f"{'case':>5} {'dev':>4} {'frag':>4} {'descs':>5} {'start ms':>8} {'nixl':>6} {'plan':>6} {'done poll':>9} "
+    print(f"{'case':>5} {'dev':>4} {'frag':>4} {'descs':>5} {'start ms':>8} {'nixl':>6} {'plan':>6} {'post':>6} {'checks':>6} {'done poll':>9} "
           f"{'nixl':>6} {'polls':>5} {'python ms':>9} {'max':>6}")
     for r in rows:
         print(f"{r['case']:>5} {r['device']:>4} {r['fragmentation']:>4.1f} {r['descriptors']:>5} {r['start_ms']:>8.3f} "
-              f"{r['start_nixl_ms']:>6.3f} {r['plan_ms']:>6.3f} {r['done_poll_ms']:>9.3f} "
+              f"{r['start_nixl_ms']:>6.3f} {r['plan_ms']:>6.3f} {r['post_ms']:>6.3f} {r['checks_ms']:>6.3f} {r['done_poll_ms']:>9.3f} "
               f"{r['done_poll_nixl_ms']:>6.3f} {r['polls']:>5.0f} {r['python_ms']:>9.3f} {r['python_ms_max']:>6.3f}")
 
 

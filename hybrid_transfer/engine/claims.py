@@ -40,10 +40,23 @@ def ticket_digest(engine_id: str, incarnation: int, request_id: str, nonce: int,
     return hashlib.sha256(b"hybrid-transfer ticket\0" + _ENCODER.encode(fields)).digest()
 
 
+_last_digest: tuple[object, bytes] = (None, b"")  # (ticket, its digest): a consumer needs it twice per request
+
+
 def digest_of(ticket) -> bytes:
-    """The digest of a wire.Ticket, as the consumer read by it."""
-    return ticket_digest(ticket.engine_id, ticket.incarnation, ticket.request_id, ticket.nonce, ticket.block_ids,
-                         ticket.num_tokens, ticket.state_position)
+    """The digest of a wire.Ticket, as the consumer read by it.
+
+    The last ticket's digest is kept: the consumer checks the MAC and then claims with the same ticket object.
+    A Ticket is a frozen struct, and the entry holds it, so the same object always has the same fields.
+    """
+    global _last_digest
+    last = _last_digest
+    if last[0] is ticket:
+        return last[1]
+    digest = ticket_digest(ticket.engine_id, ticket.incarnation, ticket.request_id, ticket.nonce, ticket.block_ids,
+                           ticket.num_tokens, ticket.state_position)
+    _last_digest = (ticket, digest)
+    return digest
 
 
 def ticket_key(secret: bytes | None, engine_id: str, incarnation: int) -> bytes:

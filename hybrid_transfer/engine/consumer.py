@@ -74,7 +74,7 @@ from hybrid_transfer.errors import (
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.types import ReadPlan
-from hybrid_transfer.plan.validate import block_id_arrays, expected_bytes, validate_block_ids
+from hybrid_transfer.plan.validate import ExpectedBytes, block_id_arrays, validate_block_ids
 from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
@@ -135,6 +135,7 @@ class Consumer:
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
         on_gpu = cache.device.type == "cuda"
+        self._expected_bytes = ExpectedBytes(self.geometry)  # checked against every DONE request's bytes
         self.agent = NixlAgent(consumer_agent_name(self.engine_id, self.tp_rank, secrets.token_hex(4)), self.config,
                                device_memory=on_gpu, post_thread=self.config.uses_post_thread(on_gpu),
                                thread_init=_device_setter(cache.device) if on_gpu else None)
@@ -494,15 +495,15 @@ class Consumer:
         The bytes moved are checked against what the layout says the request needs (engine/metrics.py):
         a difference fails the request (cause byte_count), it is never reported DONE.
         """
-        needed = expected_bytes(self.geometry, req.ticket.num_tokens)
-        packed = bool(self._pack.result_fields(req.request_id).get("num_packed_sources"))
-        if not metrics.bytes_agree(self.config.mode, req.num_bytes, needed, packed):
+        needed = self._expected_bytes(req.ticket.num_tokens)
+        fields = self._pack.result_fields(req.request_id)
+        if not metrics.bytes_agree(self.config.mode, req.num_bytes, needed, bool(fields.get("num_packed_sources"))):
             self._recorder.byte_mismatches += 1
             self._end(req, ByteCountError(local_bytes=req.num_bytes, remote_bytes=req.num_bytes,
                                           expected_bytes=needed), now, FailureCause.BYTE_COUNT)
             return
         self._recorder.on_done(needed, req.num_bytes, req.num_descriptors,
-                               now - (self._pack.result_fields(req.request_id).get("posted_at") or req.started_at))
+                               now - (fields.get("posted_at") or req.started_at))
         self._tell_producers(req, wire.CompletionKind.DONE)
         leftovers = [h for h in req.handles if not self.agent.release(h)]
         if leftovers:  # DONE handles write nothing more; NIXL lets go of them on a later poll

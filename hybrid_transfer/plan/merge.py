@@ -27,7 +27,7 @@ def merge_ranges(
         empty = np.empty(0, dtype=np.int64)
         return empty, empty.copy(), empty.copy()
     # Stable sort: generation order is nearly sorted already, and timsort is linear on sorted runs.
-    order = np.argsort(local_addr, kind="stable")
+    order = local_addr.argsort(kind="stable")
     loc = local_addr[order]
     rem = remote_addr[order]
     ln = length[order]
@@ -35,7 +35,7 @@ def merge_ranges(
     if key is not None:
         k = key[order]
         cont &= k[1:] == k[:-1]
-    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    starts = np.concatenate(([True], ~cont)).nonzero()[0]
     if starts.shape[0] == n:
         return loc, rem, ln
     return loc[starts], rem[starts], np.add.reduceat(ln, starts)

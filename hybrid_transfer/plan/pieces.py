@@ -9,10 +9,12 @@ block and kernel block sizes (never the other side's ratio).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from hybrid_transfer.errors import PlanError
 from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.plan.templates import KVTemplate, StateTemplate
 
@@ -87,51 +89,73 @@ class Pieces:
     key: np.ndarray | None
 
 
-def segment_offsets(frame: SegmentFrame, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int,
-                    remote_page: int) -> tuple[np.ndarray, np.ndarray]:
-    """Each segment's start (head 0, K half) relative to a tensor, on each side: the block-id arithmetic."""
-    return (local_ids[frame.local_block] * local_page + frame.local_const,
-            remote_ids[frame.remote_block] * remote_page + frame.remote_const)
+@dataclass(frozen=True)
+class Recipe:
+    """Every unmerged piece of a request shape, as (block id position, constant) per side.
 
-
-def kv_pieces(frame: SegmentFrame, kv: KVTemplate, seg_l: np.ndarray, seg_r: np.ndarray, group: int,
-              with_key: bool) -> Pieces:
-    """One piece per (segment, half, head slot) of one attention group, segment-major.
-
-    The naive key is (group, segment, half): a segment lies in one source kernel page and one
-    destination kernel page, so merging equal keys gives vLLM's one descriptor per (slot, source
-    page, destination page), heads merged where they are one range on both sides.
+    A piece's offset on a side is ``flat_ids[sel] * page + const``, where ``flat_ids`` is that side's
+    block-id lists concatenated in group order. Everything but the ids depends only on the shape
+    (token range, list lengths, mode), so the planner builds this once per shape and a request costs
+    two gathers and two multiply-adds (docs/planner.md#per-request-cost).
     """
+
+    local_sel: np.ndarray
+    local_const: np.ndarray
+    remote_sel: np.ndarray
+    remote_const: np.ndarray
+    length: np.ndarray
+    key: np.ndarray | None  # naive mode only
+
+    def pieces(self, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int, remote_page: int) -> Pieces:
+        """This shape's pieces for one request's flat block-id arrays."""
+        return Pieces(local_ids[self.local_sel] * local_page + self.local_const,
+                      remote_ids[self.remote_sel] * remote_page + self.remote_const, self.length, self.key)
+
+
+def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: Sequence[int],
+           gdn_groups: np.ndarray, local_lens: Sequence[int], remote_lens: Sequence[int], with_key: bool) -> Recipe:
+    """The pieces of one request shape (``*_lens``: each group's block-id list length on that side).
+
+    KV: one piece per (attention group, segment, half, head slot), segment-major; a segment's start
+    (head 0, K half) is the ``frame.*_block``-th block of the group plus ``frame.*_const``. The naive
+    key is (group, segment, half): a segment lies in one source kernel page and one destination kernel
+    page, so merging equal keys gives vLLM's one descriptor per (slot, source page, destination page).
+    State: every GDN group's single block, one piece per state template row.
+
+    Raises:
+        PlanError: too few blocks in an attention group's list, or a GDN group's list not holding exactly
+            one block (validation says so first, with the finer error).
+    """
+    l_start = np.concatenate(([0], np.cumsum(local_lens, dtype=np.int64)[:-1]))
+    r_start = np.concatenate(([0], np.cumsum(remote_lens, dtype=np.int64)[:-1]))
+    sel_l, const_l, sel_r, const_r, length, key = [], [], [], [], [], []
     c = kv.half.shape[0]
-    loc = (seg_l[:, None] + kv.local_const[None, :]).ravel()
-    rem = (seg_r[:, None] + kv.remote_const[None, :]).ravel()
-    length = np.repeat(frame.head_bytes, c)
-    key = None
-    if with_key:
+    if c:
         seg_idx = np.arange(frame.num_segments, dtype=np.int64)
-        key = (seg_idx[:, None] * 2 + kv.half[None, :]).ravel() + group * _GROUP_KEY
-    return Pieces(loc, rem, length, key)
+        for g in attn_groups:
+            if frame.num_segments and (frame.local_block[-1] >= local_lens[g] or frame.remote_block[-1] >= remote_lens[g]):
+                raise PlanError(f"group {g} lists {local_lens[g]} local and {remote_lens[g]} remote blocks, too few for "
+                                f"{frame.num_tokens} tokens", group=g, local=local_lens[g], remote=remote_lens[g])
+            sel_l.append(np.repeat(frame.local_block + l_start[g], c))
+            sel_r.append(np.repeat(frame.remote_block + r_start[g], c))
+            const_l.append((frame.local_const[:, None] + kv.local_const[None, :]).ravel())
+            const_r.append((frame.remote_const[:, None] + kv.remote_const[None, :]).ravel())
+            length.append(np.repeat(frame.head_bytes, c))
+            key.append((seg_idx[:, None] * 2 + kv.half[None, :]).ravel() + g * _GROUP_KEY)
+    r = st.length.shape[0]
+    if r and gdn_groups.shape[0]:
+        bad = [int(g) for g in gdn_groups if local_lens[g] != 1 or remote_lens[g] != 1]
+        if bad:
+            raise PlanError(f"GDN groups {bad} must each list exactly one block on both sides", groups=bad)
+        n = gdn_groups.shape[0]
+        sel_l.append(np.repeat(l_start[gdn_groups], r))
+        sel_r.append(np.repeat(r_start[gdn_groups], r))
+        const_l.append(np.tile(st.local_off, n))
+        const_r.append(np.tile(st.remote_off, n))
+        length.append(np.tile(st.length, n))
+        key.append((gdn_groups[:, None] * _GROUP_KEY + st.key[None, :]).ravel())
 
+    def cat(parts: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.empty(0, dtype=np.int64)
 
-def state_pieces(st: StateTemplate, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int,
-                 remote_page: int, groups: np.ndarray, with_key: bool) -> Pieces:
-    """Every GDN group's state pieces at once: ``local_ids[i]`` is group ``groups[i]``'s single block."""
-    loc = (local_ids[:, None] * local_page + st.local_off[None, :]).ravel()
-    rem = (remote_ids[:, None] * remote_page + st.remote_off[None, :]).ravel()
-    length = np.broadcast_to(st.length, (local_ids.shape[0], st.length.shape[0])).ravel()
-    key = (groups[:, None] * _GROUP_KEY + st.key[None, :]).ravel() if with_key else None
-    return Pieces(loc, rem, length, key)
-
-
-def concat(parts: list[Pieces], with_key: bool) -> Pieces:
-    if not parts:
-        e = np.empty(0, dtype=np.int64)
-        return Pieces(e, e, e, e if with_key else None)
-    if len(parts) == 1:
-        return parts[0]
-    return Pieces(
-        np.concatenate([p.local_off for p in parts]),
-        np.concatenate([p.remote_off for p in parts]),
-        np.concatenate([p.length for p in parts]),
-        np.concatenate([p.key for p in parts]) if with_key else None,  # type: ignore[misc]
-    )
+    return Recipe(cat(sel_l), cat(const_l), cat(sel_r), cat(const_r), cat(length), cat(key) if with_key else None)

@@ -16,16 +16,7 @@ from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
-from hybrid_transfer.plan.pieces import (
-    Pieces,
-    SegmentFrame,
-    concat,
-    kv_pieces,
-    naive_token_end,
-    segment_frame,
-    segment_offsets,
-    state_pieces,
-)
+from hybrid_transfer.plan.pieces import Recipe, SegmentFrame, naive_token_end, recipe, segment_frame
 from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
 from hybrid_transfer.plan.stage_layout import map_rows, stage_layout
 from hybrid_transfer.plan.templates import (
@@ -74,6 +65,7 @@ class Planner:
         self.local = geometry_from_descriptor(model, local)
         prefill_tp = self._check_remotes(local.tp_size)
         self.topology = Topology(prefill_tp=prefill_tp, decode_tp=local.tp_size, decode_rank=local.tp_rank)
+        self._notify = self.topology.notify  # the same for every request
         # Every remote descriptor is checked against its geometry, not only the ones this rank reads.
         all_geos = [geometry_from_descriptor(model, d) for d in self.remote_descs]
         geos = {s: all_geos[s] for s in self.topology.sources}
@@ -107,6 +99,7 @@ class Planner:
         self._attn_groups = tuple(i for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION)
         self._gdn_groups = np.array([i for i, g in enumerate(groups) if g.kind is LayerKind.GDN], dtype=np.int64)
         self._frames: dict[int, SegmentFrame] = {}
+        self._recipes: dict[tuple, Recipe] = {}  # per request shape (token end, mode, list lengths)
         self._kv, self._state = stack_templates(self.templates)
         # [tensor, source index]: each source's base address of each shared tensor.
         self._remote_base = np.stack([t.tensor_addrs for t in self.templates], axis=1)
@@ -158,7 +151,7 @@ class Planner:
     @property
     def notify(self) -> tuple[Notification, ...]:
         """Producer ranks to notify after every request, with the consumer count each must expect."""
-        return self.topology.notify
+        return self._notify
 
     def expected_bytes(self, num_tokens: int) -> int:
         """Valid payload bytes this rank receives for a request (``validate.expected_bytes``, precomputed)."""
@@ -191,19 +184,20 @@ class Planner:
         num_groups = len(self._kinds)
         local_ids = block_id_arrays("local", local_block_ids, num_groups)
         remote_ids = block_id_arrays("remote", remote_block_ids, num_groups)
+        flat_l, flat_r = _flat(local_ids), _flat(remote_ids)
         if validate:
             validate_block_ids("local", local_ids, self._kinds, num_tokens, self.local.block_size,
-                               self.local_desc.num_blocks, exact=False)
+                               self.local_desc.num_blocks, exact=False, flat=flat_l)
             validate_block_ids("remote", remote_ids, self._kinds, num_tokens, self.remote.block_size,
-                               self._remote_num_blocks, exact=True)
+                               self._remote_num_blocks, exact=True, flat=flat_r)
         sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
         if num_tokens > 0:
-            sources = self._build_sources(num_tokens, local_ids, remote_ids, mode, cost or self.cost)
+            sources = self._build_sources(num_tokens, local_ids, remote_ids, flat_l, flat_r, mode, cost or self.cost)
         plan = ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
             sources=tuple(sources),
-            notify=self.topology.notify,
+            notify=self._notify,
             num_tokens=num_tokens,
             expected_bytes=self.planned_bytes(num_tokens, mode),
             meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
@@ -221,23 +215,28 @@ class Planner:
             frame = self._frames[token_end] = segment_frame(token_end, self.local, self.remote)
         return frame
 
+    def _recipe(self, token_end: int, naive: bool, local_ids: list[np.ndarray],
+                remote_ids: list[np.ndarray]) -> Recipe:
+        local_lens = tuple(a.shape[0] for a in local_ids)
+        remote_lens = tuple(a.shape[0] for a in remote_ids)
+        key = (token_end, naive, local_lens, remote_lens)
+        rec = self._recipes.get(key)
+        if rec is None:
+            if len(self._recipes) >= _FRAME_CACHE_SIZE:
+                self._recipes.pop(next(iter(self._recipes)))
+            rec = self._recipes[key] = recipe(self._frame(token_end), self._kv, self._state, self._attn_groups,
+                                              self._gdn_groups, local_lens, remote_lens, naive)
+        return rec
+
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
-                       mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
-        """Pieces of every source at once, one merge, one broadcast over tensors, then one plan per source."""
+                       flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
+        """Pieces of every source at once (the shape's cached recipe over ``flat_*``, the id lists concatenated),
+        one merge, one broadcast over tensors, then one plan per source."""
         naive = mode is PlanMode.NAIVE
         # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
-        frame = self._frame(naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens)
-        lp, rp = self._local_page, self._remote_page
-        parts: list[Pieces] = []
-        if not self._kv.is_empty:
-            for g in self._attn_groups:
-                seg_l, seg_r = segment_offsets(frame, local_ids[g], remote_ids[g], lp, rp)
-                parts.append(kv_pieces(frame, self._kv, seg_l, seg_r, g, naive))
-        if not self._state.is_empty and self._gdn_groups.shape[0]:
-            gdn_l = np.concatenate([local_ids[g] for g in self._gdn_groups])
-            gdn_r = np.concatenate([remote_ids[g] for g in self._gdn_groups])
-            parts.append(state_pieces(self._state, gdn_l, gdn_r, lp, rp, self._gdn_groups, naive))
-        pieces = concat(parts, naive)
+        token_end = naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens
+        rec = self._recipe(token_end, naive, local_ids, remote_ids)
+        pieces = rec.pieces(flat_l, flat_r, self._local_page, self._remote_page)
         rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
         num_sources = len(self.templates)
         if num_sources == 1:
@@ -264,6 +263,11 @@ class Planner:
             else:
                 out.append(direct)
         return tuple(out)
+
+
+def _flat(ids: list[np.ndarray]) -> np.ndarray:
+    """Block-id lists concatenated in group order (what a Recipe's positions index)."""
+    return ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
 
 
 def _mode_of(src: SourcePlan | PackSourcePlan, mode: PlanMode) -> PlanMode:

@@ -416,3 +416,40 @@ def test_descriptor_that_disagrees_with_its_geometry_is_refused():
     fields["page_bytes"] += 2
     with pytest.raises(PlanError):
         Planner(model, consumers[0], [producers[0], RankDescriptor(**fields)])
+
+
+# ---- per-shape recipes (docs/planner.md#per-request-cost) ---------------------------------------------------
+
+def _same_plan(a, b) -> None:
+    assert [s.source_rank for s in a.sources] == [s.source_rank for s in b.sources]
+    for x, y in zip(a.sources, b.sources, strict=True):
+        for col in ("local_addr", "remote_addr", "length"):
+            np.testing.assert_array_equal(getattr(x, col), getattr(y, col))
+
+
+@pytest.mark.parametrize("mode", [PlanMode.NAIVE, PlanMode.COALESCED])
+def test_a_planner_reused_across_shapes_plans_as_a_fresh_one(mode):
+    """The recipe cache is keyed by the shape: extra local blocks, other token counts and other requests of
+    one shape never reuse another shape's positions."""
+    model = load_preset(Q397)
+    producers, consumers = engines(model, 2, 8, pool=256)
+    reused = Planner(model, consumers[3], producers)
+    shapes = []
+    for seed, n in enumerate((5000, 5000, 3000, 8192, 5000)):
+        local, remote = request_ids(model, producers, consumers, n, 1.0, seed=seed)
+        if seed == 1:  # the consumer holds two blocks more than it needs in the attention group
+            spare = sorted(set(range(consumers[0].num_blocks)) - {b for g in local for b in g})[:2]
+            local = [list(local[0]) + spare] + [list(g) for g in local[1:]]
+        shapes.append((local, remote, n))
+    for local, remote, n in shapes + shapes[::-1]:
+        _same_plan(reused.plan(local, remote, n, mode), Planner(model, consumers[3], producers).plan(
+            local, remote, n, mode))
+
+
+def test_unvalidated_plan_with_too_few_blocks_raises_instead_of_reading_another_group():
+    model = load_preset(Q397)
+    producers, consumers = engines(model, 1, 1)
+    local, remote = request_ids(model, producers, consumers, 5000, 0.0)
+    short = [list(local[0])[:-1]] + [list(g) for g in local[1:]]
+    with pytest.raises(PlanError, match="too few"):
+        Planner(model, consumers[0], producers).plan(short, remote, 5000, validate=False)
