@@ -46,10 +46,11 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 1800.0  # one command (a verify of a large cache on CPU takes minutes, not hours)
 HANDSHAKE_TIMEOUT_S = 60.0
 START_DELAY_S = 0.05  # decode ranks start together this long after the coordinator sends "run"
-# When rank processes outnumber cores (10 ranks on a 2-core CI host), spinning decode ranks would starve the
+# When rank processes outnumber cores (10 ranks on a 2-core CI host), spinning ranks (decode and prefill) would starve the
 # ones copying; they sleep this long between empty polls instead. With a core each, they spin.
 CONTENDED_POLL_SLEEP_S = 50e-6
 MEMORY_HEADROOM = 0.85  # refuse a CPU run whose estimate exceeds this share of MemAvailable
+DEVICE_HEADROOM = 0.92  # refuse a cuda run whose buffers on one GPU exceed this share of its memory
 CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 StepCallback = Callable[[str], None]
@@ -179,6 +180,7 @@ class Coordinator:
         check_engine_modes(self.spec)
         if self.spec.device is Device.CUDA:
             self.warnings += cuda_environment()
+            self._check_device_memory()
         else:
             self._check_host_memory()
         for w in self.warnings:
@@ -197,13 +199,28 @@ class Coordinator:
     # ---- start-up -----------------------------------------------------------------------
     def _check_host_memory(self) -> None:
         available = sizing.available_host_bytes()
-        if available is not None and self.memory.total_bytes > MEMORY_HEADROOM * available:
-            raise ConfigError(
-                f"this run needs about {self.memory.total_bytes / 2**30:.1f} GiB (prefill rank "
-                f"{self.memory.prefill_rank_bytes / 2**30:.2f} GiB, decode rank "
-                f"{self.memory.decode_rank_bytes / 2**30:.2f} GiB with --verify's expected copy), "
-                f"{available / 2**30:.1f} GiB are available: use fewer --requests or --tokens",
-                field="requests", value=self.spec.requests)
+        if available is None or self.memory.total_bytes <= MEMORY_HEADROOM * available:
+            return
+        best = sizing.fitting_requests(self.spec, lambda t: sizing.memory_estimate(
+            t, sizing.ceiling_sizes(t)).total_bytes <= MEMORY_HEADROOM * available)
+        raise ConfigError(
+            f"this run needs about {self.memory.total_bytes / 2**30:.1f} GiB (prefill rank "
+            f"{self.memory.prefill_rank_bytes / 2**30:.2f} GiB, decode rank "
+            f"{self.memory.decode_rank_bytes / 2**30:.2f} GiB with --verify's expected copy), "
+            f"{available / 2**30:.1f} GiB are available: use "
+            + (f"--requests {best}" if best else "fewer --tokens") + " or fewer --tokens",
+            field="requests", value=self.spec.requests)
+
+    def _check_device_memory(self) -> None:
+        """Every GPU a rank lands on must hold its ranks' buffers (queried without creating a context)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return  # the rank processes name the missing GPU (setup_rank)
+        gpus = set(self.spec.prefill_gpus) | set(self.spec.decode_gpus)
+        capacity = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus
+                    if g < torch.cuda.device_count()}
+        sizing.check_device_memory(self.spec, capacity, DEVICE_HEADROOM)
 
     def _start(self) -> None:
         s = self.spec
