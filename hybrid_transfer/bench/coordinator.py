@@ -46,9 +46,13 @@ log = logging.getLogger(__name__)
 CALL_TIMEOUT_S = 1800.0  # one command (a verify of a large cache on CPU takes minutes, not hours)
 HANDSHAKE_TIMEOUT_S = 60.0
 START_DELAY_S = 0.05  # decode ranks start together this long after the coordinator sends "run"
-# When rank processes outnumber cores (10 ranks on a 2-core CI host), spinning ranks (decode and prefill) would starve the
+# When rank processes outnumber cores (10 ranks on a 2-core CI host), spinning decode ranks would starve the
 # ones copying; they sleep this long between empty polls instead. With a core each, they spin.
 CONTENDED_POLL_SLEEP_S = 50e-6
+# Prefill ranks in a timed window: with a core each they spin too (every claim confirmation and Staged
+# notification a request waits on passes through their poll). Contended, they sleep 1 ms: on the 2-core host,
+# 50 us cost the producers 3-4x the CPU seconds and did not raise the P1 -> D1 or P2 -> D8 rows (docs/benchmarks.md).
+CONTENDED_SERVE_SLEEP_S = 1e-3
 MEMORY_HEADROOM = 0.85  # refuse a CPU run whose estimate exceeds this share of MemAvailable
 DEVICE_HEADROOM = 0.92  # refuse a cuda run whose buffers on one GPU exceed this share of its memory
 CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
@@ -207,8 +211,8 @@ class Coordinator:
             f"this run needs about {self.memory.total_bytes / 2**30:.1f} GiB (prefill rank "
             f"{self.memory.prefill_rank_bytes / 2**30:.2f} GiB, decode rank "
             f"{self.memory.decode_rank_bytes / 2**30:.2f} GiB with --verify's expected copy), "
-            f"{available / 2**30:.1f} GiB are available: use "
-            + (f"--requests {best}" if best else "fewer --tokens") + " or fewer --tokens",
+            f"{available / 2**30:.1f} GiB are available: "
+            + (f"use --requests {best} or fewer --tokens" if best else "no --requests fits: use fewer --tokens"),
             field="requests", value=self.spec.requests)
 
     def _check_device_memory(self) -> None:
@@ -230,6 +234,7 @@ class Coordinator:
         cores, num_ranks = os.cpu_count() or 1, s.prefill_tp + s.decode_tp
         threads = max(1, cores // num_ranks)
         poll_sleep_s = 0.0 if cores > num_ranks else CONTENDED_POLL_SLEEP_S
+        serve_sleep_s = 0.0 if cores > num_ranks else CONTENDED_SERVE_SLEEP_S
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         prefill_id, decode_id = f"prefill-{secrets.token_hex(3)}", f"decode-{secrets.token_hex(3)}"
         incarnation = secrets.randbits(62)
@@ -243,7 +248,7 @@ class Coordinator:
                     torch_threads=threads, engine_id=prefill_id if side else decode_id,
                     incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
                     staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
-                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size)))
+                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, serve_sleep_s=serve_sleep_s)))
         started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
             c.recv(m.Done)

@@ -37,11 +37,12 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     incarnation: int
     mode: PlanMode  # the run's chosen plan mode (producers are built with it)
     log_level: str = "WARNING"
-    poll_sleep_s: float = 0.0  # every rank's wait between polls in a timed window (0: spin with sched_yield)
+    poll_sleep_s: float = 0.0  # decode ranks' wait between polls that found nothing (0: spin with sched_yield)
     staging_bytes: int = 256 << 20  # pack / auto staging pool (sizing.staging_bytes)
     backend_threads: int | None = None  # EngineConfig.num_backend_threads (None: its default)
     kv_layout: str = "interleaved"  # KVLayout value of both sides
     split_batch_size: int | None = None  # EngineConfig.split_batch_size (None: its default)
+    serve_sleep_s: float = 0.001  # prefill ranks' wait between polls in a timed window (0: spin with sched_yield)
 
     def engine_config(self, **fields):
         """The EngineConfig of this rank's agents: the run's UCX backend settings, plus ``fields``."""

@@ -61,12 +61,16 @@ def _token_panels(result: BenchResult, variants: list[str], axes) -> None:
     gbps_ax.set_ylabel("effective GB/s")
     gbps_ax.set_ylim(bottom=0)
     desc_ax.set_ylabel("READ descriptors per decode rank")
-    desc_ax.set_yscale("log")
+    if all(p.stats[v].descriptors_per_request > 0 for p in result.points for v in variants):
+        desc_ax.set_yscale("log")
     plan_ax.set_ylabel("plan ms per request and rank")
     plan_ax.set_ylim(bottom=0)
     plan_ax.set_xlabel("tokens per request")
     for ax in axes:
-        ax.set_xscale("log", base=2)
+        if min(xs) > 0:
+            ax.set_xscale("log", base=2)
+        else:  # a 0-token point (state only) has no place on a log axis
+            ax.set_xscale("symlog", base=2, linthresh=max(1, min((x for x in xs if x > 0), default=1)))
         ax.set_xticks(xs, [f"{x:,}" for x in xs])
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -142,9 +142,9 @@ def hold(rank: _Rank, cmd: m.Hold) -> m.Reply:
 def serve(rank: _Rank, cmd: m.Serve) -> m.Reply:
     """A prefill rank's timed window: poll until every request is freed and the coordinator says Stop.
 
-    Polls as often as the decode ranks do (``poll_sleep_s``: spin when every rank has a core): each
-    claim confirmation and Staged notification a consumer waits on passes through this loop, so a
-    fixed 1 ms sleep here added up to 1 ms to every request's latency.
+    Each claim confirmation and Staged notification a consumer waits on passes through this loop, so
+    with a core per rank it spins like the decode ranks (a fixed 1 ms sleep added up to 1 ms to every
+    request's latency); on a contended host it sleeps ``serve_sleep_s`` (coordinator.py says why).
     """
     cpu0 = time.process_time()
     stop_at = None
@@ -159,7 +159,7 @@ def serve(rank: _Rank, cmd: m.Serve) -> m.Reply:
             stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is not None and (not pending or time.monotonic() >= stop_at):
             break
-        _wait(rank.setup.poll_sleep_s)
+        _wait(rank.setup.serve_sleep_s)
     cpu_s = time.process_time() - cpu0
     freed = {rid: rank.freed.pop(rid) for rid in cmd.request_ids if rid in rank.freed}
     return m.Served(ProducerServe(rank.setup.tp_rank, freed, cpu_s))
