@@ -61,8 +61,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per request whose KV moves (the GDN state moves too when N > 0)")
     parser.add_argument("--requests", type=int, default=d.requests, metavar="R",
                         help="timed requests per variant; each has its own blocks on both sides, so the caches "
-                             "hold R requests of the largest --tokens (a token sweep sizes them for its largest "
-                             "point). Long contexts: every request costs its bytes up to six times over (prefill "
+                             "hold R requests (a token sweep sizes each point's caches to its tokens, the same R at "
+                             "every point, so its largest point decides what fits). Long contexts: every request costs its bytes up to six times over (prefill "
                              "and decode caches, --verify's expected copy, the ceiling and copy buffers); qwen3.5-"
                              "397b-a17b P2 -> D8 at 131072 tokens is ~19 GB per request summed over ranks, so one "
                              "H200 (all ranks on GPU 0) fits --requests 1 with --verify (about 75 GiB coalesced, "

@@ -127,3 +127,17 @@ def test_a_token_sweep_is_sized_for_its_largest_point():
     largest = BenchSpec(preset="qwen3.5-397b-a17b", tokens=32768, requests=2).validate()
     assert sizing.device_bytes(sweep, sizing.ceiling_sizes(sweep)) == \
         sizing.device_bytes(largest, sizing.ceiling_sizes(largest))
+
+
+def test_each_point_of_a_token_sweep_gets_pools_sized_to_its_tokens():
+    from hybrid_transfer.bench.coordinator import point_spec
+
+    spec = BenchSpec(preset="qwen3.5-397b-a17b", tokens=8192, requests=2, sweep=Sweep.TOKENS,
+                     sweep_values=(8192.0, 131072.0)).validate()
+    small, large = (point_spec(spec, p) for p in spec.points)
+    assert (small.tokens, large.tokens) == (8192, 131072) and small.sweep is Sweep.NONE
+    for is_prefill in (True, False):
+        assert sizing.pool_blocks(large, is_prefill) == sizing.pool_blocks(spec, is_prefill)
+        assert sizing.pool_blocks(small, is_prefill) < sizing.pool_blocks(spec, is_prefill) // 8
+    layouts = sizing.layouts(small, spec.points[0], 0)[0]  # ids fit the small point's own pool
+    assert max(b for layout in layouts for g in layout.block_ids for b in g) < sizing.pool_blocks(small, True)
