@@ -263,7 +263,8 @@ class Coordinator:
                     torch_threads=threads, engine_id=prefill_id if side else decode_id,
                     incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
                     staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
-                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, serve_sleep_s=serve_sleep_s)))
+                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, post_thread=s.post_thread,
+                    serve_sleep_s=serve_sleep_s)))
         started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
             c.recv(m.Done)

@@ -42,6 +42,7 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     backend_threads: int | None = None  # EngineConfig.num_backend_threads (None: its default)
     kv_layout: str = "interleaved"  # KVLayout value of both sides
     split_batch_size: int | None = None  # EngineConfig.split_batch_size (None: its default)
+    post_thread: bool | None = None  # EngineConfig.post_thread (None: its default)
     serve_sleep_s: float = 0.001  # prefill ranks' wait between polls in a timed window (0: spin with sched_yield)
 
     def engine_config(self, **fields):
@@ -49,7 +50,7 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
         from hybrid_transfer.engine.config import EngineConfig
 
         return EngineConfig(num_backend_threads=self.backend_threads, split_batch_size=self.split_batch_size,
-                            **fields)
+                            post_thread=self.post_thread, **fields)
 
 
 class EngineItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

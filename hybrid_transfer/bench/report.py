@@ -32,7 +32,7 @@ def common_record(result: BenchResult) -> dict[str, Any]:
         "preset": s.preset, "prefill_tp": s.prefill_tp, "decode_tp": s.decode_tp, "requests": s.requests,
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
         "kv_dtype": s.kv_dtype or "model", "kv_layout": s.kv_layout, "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
-        "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size,
+        "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size, "post_thread": s.post_thread,
     }
     if s.device is Device.CUDA:
         record["prefill_gpus"] = list(s.prefill_gpus)

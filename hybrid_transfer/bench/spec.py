@@ -77,6 +77,7 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     backend_threads: int | None = None  # EngineConfig.num_backend_threads of every rank (None: its default)
     kv_layout: str = KVLayout.INTERLEAVED.value  # attention page layout of both sides (vLLM 0.33's default)
     split_batch_size: int | None = None  # EngineConfig.split_batch_size of every rank (None: its default)
+    post_thread: bool | None = None  # EngineConfig.post_thread of every decode rank (None: its default)
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""

@@ -94,6 +94,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "None means the engine's default for the cache's memory (EngineConfig)")
     parser.add_argument("--split-batch-size", type=int, default=d.split_batch_size, metavar="N",
                         help="descriptors per UCX thread-pool task; None means the engine's default")
+    parser.add_argument("--post-thread", choices=["on", "off"], default=None,
+                        help="decode ranks create and post their READs on a second thread (on) or on their own "
+                        "thread (off); default: the engine's (off: measured, it did not help on one H200, "
+                        "docs/tuning.md#posting-thread)")
     parser.add_argument("--verify", action="store_true",
                         help="fill sources with the global-coordinate pattern and check every byte of every "
                              "decode cache after each variant (outside the timed window)")
@@ -128,6 +132,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         warmup=args.warmup, rounds=args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
         sweep_values=tuple(args.sweep_values or ()), backend_threads=args.backend_threads,
         split_batch_size=args.split_batch_size,
+        post_thread=None if args.post_thread is None else args.post_thread == "on",
         kv_layout=args.kv_layout,
     ).validate()
 

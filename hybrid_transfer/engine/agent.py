@@ -2,7 +2,10 @@
 
 Ownership: NIXL agents are not thread-safe by default (docs/tuning.md#agents). The thread that
 creates a NixlAgent is its owner and the only thread that may call it; the
-producer's handshake listener never touches it (it serves precomputed bytes).
+producer's handshake listener never touches it (it serves precomputed bytes). The one exception
+is a consumer's posting thread (``post_thread``, engine/poster.py): it creates and posts READs
+handed over by ``post_read``, and then every NIXL call of this agent, from either thread, is made
+under one lock, so NIXL never sees two calls at once.
 
 Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 - ``transfer()`` of a READ between two processes may run the whole copy inside
@@ -23,13 +26,15 @@ import enum
 import importlib
 import logging
 import threading
-from collections.abc import Sequence
-from contextlib import contextmanager
+import time
+from collections.abc import Callable, Sequence
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
+from hybrid_transfer.engine.poster import Poster
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
 
 if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_cuda will do (no torch import)
@@ -109,7 +114,8 @@ def _progress_delay(api: Any, delay_us: int):
 class XferHandle:
     """One posted READ: the NIXL handle, its peer and its last known state."""
 
-    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error", "checked_in")
+    __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error", "checked_in",
+                 "posted", "cancelled", "descs")
 
     def __init__(self, handle: Any, peer: str, num_descriptors: int, num_bytes: int, dlists: tuple = ()):
         self.handle = handle
@@ -120,10 +126,24 @@ class XferHandle:
         self._dlists = dlists
         self.error: EngineError | None = None  # why the state became ERR, when NIXL raised instead of saying
         self.checked_in = -1  # the agent's check scope that last asked NIXL (one_check_per_handle)
+        self.posted = True  # False while it waits for (or is in) the posting thread: NIXL is not asked about it
+        self.cancelled = False  # released before it was posted: the posting thread skips it
+        self.descs: tuple | None = None  # (local, remote) until the posting thread has posted it
 
     @property
     def is_released(self) -> bool:
         return self.state is XferState.RELEASED
+
+
+class PostStats:
+    """Time inside NIXL's create and post calls of READs (either thread), for the time split of a run."""
+
+    __slots__ = ("posts", "post_s", "queued_s")
+
+    def __init__(self):
+        self.posts = 0
+        self.post_s = 0.0  # create + transfer, summed
+        self.queued_s = 0.0  # posting thread only: handed over -> its post began (the lock taken), summed
 
 
 class NixlAgent:
@@ -133,7 +153,8 @@ class NixlAgent:
     """
 
     def __init__(self, name: str, config: EngineConfig, *, api_module: str | None = None,
-                 device_memory: bool = False):
+                 device_memory: bool = False, post_thread: bool = False,
+                 thread_init: Callable[[], None] | None = None):
         api = _nixl_api(api_module)
         self._errors = _nixl_errors(api)
         self.name = name
@@ -150,7 +171,10 @@ class NixlAgent:
         # The UCX backend is created below, not by the agent's config: its thread-pool parameters depend on
         # the memory the agent moves (``device_memory``, config.py), and split_batch_size is only reachable
         # through create_backend.
-        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[])
+        # A posting thread means two threads call this agent (never at once: our lock): tell NIXL, so the
+        # backend it creates is prepared for calls from more than one thread.
+        sync = {"sync_mode": api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT} if post_thread else {}
+        conf = api.nixl_agent_config(enable_prog_thread=use_thread, backends=[], **sync)
         try:
             with _progress_delay(api, config.progress_delay_us):
                 self._agent = api.nixl_agent(name, conf)
@@ -160,6 +184,18 @@ class NixlAgent:
         if "UCX" not in plugins:
             raise EngineError(f"no UCX plugin was found (plugins: {plugins})", operation="create agent", agent=name)
         self.backend_params = self._create_backend(device_memory)  # what the UCX backend was created with
+        # With a posting thread every NIXL call takes this lock (module docstring); without, no lock at all.
+        self._lock = threading.RLock() if post_thread else None
+        self.post_stats = PostStats()
+        self._poster = Poster(name, self._post_queued, thread_init=thread_init) if post_thread else None
+
+    @property
+    def has_post_thread(self) -> bool:
+        return self._poster is not None
+
+    def _nixl(self):
+        """The context every NIXL call runs in: the agent's lock when a posting thread shares it."""
+        return self._lock if self._lock is not None else nullcontext()
 
     def _create_backend(self, device_memory: bool) -> dict[str, str]:
         """The UCX backend, with the thread-pool parameters for this memory kind (config.py)."""
@@ -243,31 +279,36 @@ class NixlAgent:
     def post_read(self, peer: str, local_descs: np.ndarray, remote_descs: np.ndarray) -> XferHandle:
         """Create and post one READ of ``remote_descs`` on ``peer`` into ``local_descs`` (Nx3 int64 arrays).
 
-        On CPU hosts the copy may complete inside this call (see module docstring).
+        On CPU hosts the copy may complete inside this call (see module docstring). With a posting
+        thread the READ is handed over instead and this returns at once: a failure to create or post
+        it then shows as the handle's ERR state (with ``error``) at a later ``check``.
         """
         n = int(local_descs.shape[0])
         num_bytes = int(local_descs[:, 1].sum()) if n else 0
-        prep = self.config.prep
+        local, remote = np.ascontiguousarray(local_descs), np.ascontiguousarray(remote_descs)
+        if self._poster is not None:
+            if self._closed:
+                raise EngineError("the agent is closed", operation="post READ", agent=self.name, peer=peer)
+            xfer = XferHandle(None, peer, n, num_bytes)
+            xfer.posted, xfer.descs = False, (local, remote, time.perf_counter())
+            self._live.add(xfer)
+            try:
+                self._poster.submit(xfer)
+            except EngineError:
+                self._live.discard(xfer)
+                xfer.state = XferState.RELEASED
+                raise
+            return xfer
         xfer: XferHandle | None = None
+        t0 = time.perf_counter()
         try:
             with self._wrap("post READ", peer):
-                if prep is PrepStrategy.DIRECT:
-                    handle = self._agent.initialize_xfer(
-                        "READ",
-                        self._agent.get_xfer_descs(np.ascontiguousarray(local_descs), self._mem_type),
-                        self._agent.get_xfer_descs(np.ascontiguousarray(remote_descs), self._mem_type),
-                        peer,
-                    )
-                    dlists: tuple = ()
-                else:
-                    local_h = self._agent.prep_xfer_dlist("", np.ascontiguousarray(local_descs), self._mem_type)
-                    remote_h = self._agent.prep_xfer_dlist(peer, np.ascontiguousarray(remote_descs), self._mem_type)
-                    index = np.arange(n, dtype=np.int32)
-                    handle = self._agent.make_prepped_xfer("READ", local_h, index, remote_h, index)
-                    dlists = (local_h, remote_h)
+                handle, dlists = self._create(peer, local, remote)
                 xfer = XferHandle(handle, peer, n, num_bytes, dlists)
                 self._live.add(xfer)
                 xfer.state = XferState.parse(self._agent.transfer(handle))
+            self.post_stats.posts += 1
+            self.post_stats.post_s += time.perf_counter() - t0
         except EngineError:
             if xfer is not None:
                 xfer.state = XferState.ERR
@@ -275,6 +316,46 @@ class NixlAgent:
                     log.warning("agent %s: a READ on %s that failed to post is not released yet", self.name, peer)
             raise
         return xfer
+
+    def _create(self, peer: str, local: np.ndarray, remote: np.ndarray) -> tuple[Any, tuple]:
+        """NIXL's READ handle over two descriptor arrays (and the prepared lists to free with it)."""
+        if self.config.prep is PrepStrategy.DIRECT:
+            handle = self._agent.initialize_xfer("READ", self._agent.get_xfer_descs(local, self._mem_type),
+                                                 self._agent.get_xfer_descs(remote, self._mem_type), peer)
+            return handle, ()
+        local_h = self._agent.prep_xfer_dlist("", local, self._mem_type)
+        remote_h = self._agent.prep_xfer_dlist(peer, remote, self._mem_type)
+        index = np.arange(local.shape[0], dtype=np.int32)
+        return self._agent.make_prepped_xfer("READ", local_h, index, remote_h, index), (local_h, remote_h)
+
+    def _post_queued(self, xfer: XferHandle) -> None:
+        """On the posting thread: create and post one handed-over READ; never raises (errors go on the handle)."""
+        state, error = XferState.ERR, None
+        try:
+            if xfer.cancelled:
+                error = EngineError("released before it was posted", operation="post READ", agent=self.name,
+                                    peer=xfer.peer)
+            elif self._poster.init_error is not None:
+                error = EngineError(f"the posting thread could not start: {self._poster.init_error}",
+                                    operation="post READ", agent=self.name, peer=xfer.peer)
+            else:
+                local, remote, queued_at = xfer.descs
+                with self._wrap("post READ", xfer.peer):
+                    t0 = time.perf_counter()  # the lock is ours: what follows is NIXL's time
+                    xfer.handle, xfer._dlists = self._create(xfer.peer, local, remote)
+                    state = XferState.parse(self._agent.transfer(xfer.handle))
+                stats = self.post_stats
+                stats.posts, stats.post_s, stats.queued_s = (stats.posts + 1, stats.post_s + time.perf_counter() - t0,
+                                                             stats.queued_s + t0 - queued_at)
+        except EngineError as exc:
+            error = exc
+        except BaseException as exc:  # a bug must not kill the thread silently: the READ fails loudly
+            log.exception("agent %s: posting a READ on %s failed", self.name, xfer.peer)
+            error = EngineError(f"{type(exc).__name__}: {exc}", operation="post READ", agent=self.name,
+                                peer=xfer.peer)
+        xfer.descs = None
+        xfer.state, xfer.error = state, error
+        xfer.posted = True  # last: the owner reads state and error only once this is set
 
     @property
     def num_live_handles(self) -> int:
@@ -290,7 +371,7 @@ class NixlAgent:
 
         A NIXL error (the peer disconnected, ...) makes the state ERR with ``xfer.error`` set.
         """
-        if xfer.state is XferState.PROC and (self._scope < 0 or xfer.checked_in != self._scope):
+        if xfer.state is XferState.PROC and xfer.posted and (self._scope < 0 or xfer.checked_in != self._scope):
             xfer.checked_in = self._scope
             try:
                 with self._wrap("check transfer", xfer.peer):
@@ -311,21 +392,31 @@ class NixlAgent:
             self._scope = -1
 
     def release(self, xfer: XferHandle) -> bool:
-        """Free a READ's handle; False when NIXL refuses because the READ may still write (try again later)."""
+        """Free a READ's handle; False when NIXL refuses because the READ may still write (try again later).
+
+        A READ still waiting for the posting thread is cancelled (it will not be posted) and False is
+        returned: it may be mid-post; a later call frees it once the thread is done with it.
+        """
         if xfer.is_released:
             return True
-        try:
-            self._agent.release_xfer_handle(xfer.handle)
-        except self._errors as exc:
-            log.debug("release of a READ on %s refused: %s", xfer.peer, exc)
+        if not xfer.posted:
+            xfer.cancelled = True
             return False
+        if xfer.handle is not None:
+            with self._nixl():
+                try:
+                    self._agent.release_xfer_handle(xfer.handle)
+                except self._errors as exc:
+                    log.debug("release of a READ on %s refused: %s", xfer.peer, exc)
+                    return False
+                for dlist in xfer._dlists:
+                    try:
+                        self._agent.release_dlist_handle(dlist)
+                    except self._errors as exc:
+                        log.warning("agent %s: releasing a descriptor list on %s failed: %s", self.name, xfer.peer,
+                                    exc)
         self._live.discard(xfer)
         xfer.state = XferState.RELEASED
-        for dlist in xfer._dlists:
-            try:
-                self._agent.release_dlist_handle(dlist)
-            except self._errors as exc:
-                log.warning("agent %s: releasing a descriptor list on %s failed: %s", self.name, xfer.peer, exc)
         xfer._dlists = ()
         return True
 
@@ -345,6 +436,10 @@ class NixlAgent:
         """Release what READ handles NIXL lets go of, forget peers, deregister memory; idempotent."""
         if self._closed:
             return
+        if self._poster is not None:  # nothing queued is posted any more; what is mid-post finishes first
+            for xfer in self._live:
+                xfer.cancelled = True
+            self._poster.close()
         for xfer in list(self._live):
             if not self.release(xfer):
                 log.warning("agent %s closes with a READ on %s it could not release", self.name, xfer.peer)
@@ -353,18 +448,19 @@ class NixlAgent:
                 self.remove_remote(peer)
             except EngineError as exc:
                 log.warning("%s", exc)
-        for descs in self._more_descs:
-            try:
-                self._agent.deregister_memory(descs)
-            except self._errors as exc:
-                log.warning("deregistering staging of agent %s failed: %s", self.name, exc)
-        self._more_descs = []
-        if self._reg_descs is not None:
-            try:
-                self._agent.deregister_memory(self._reg_descs)
-            except self._errors as exc:
-                log.warning("deregistering memory of agent %s failed: %s", self.name, exc)
-            self._reg_descs = None
+        with self._nixl():
+            for descs in self._more_descs:
+                try:
+                    self._agent.deregister_memory(descs)
+                except self._errors as exc:
+                    log.warning("deregistering staging of agent %s failed: %s", self.name, exc)
+            self._more_descs = []
+            if self._reg_descs is not None:
+                try:
+                    self._agent.deregister_memory(self._reg_descs)
+                except self._errors as exc:
+                    log.warning("deregistering memory of agent %s failed: %s", self.name, exc)
+                self._reg_descs = None
         self._closed = True
 
     @contextmanager
@@ -372,7 +468,8 @@ class NixlAgent:
         if self._closed:
             raise EngineError("the agent is closed", operation=operation, agent=self.name, peer=peer)
         try:
-            yield
+            with self._nixl():
+                yield
         except EngineError:
             raise
         except self._errors as exc:

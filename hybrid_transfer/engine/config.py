@@ -88,6 +88,12 @@ _STAGING_MODES = (PlanMode.PACK, PlanMode.AUTO)
 # (num_threads, split_batch_size) of the UCX backend when the config leaves them None; see the module docstring.
 GPU_BACKEND_DEFAULTS: tuple[int, int | None] = (4, 16)
 HOST_BACKEND_DEFAULTS: tuple[int, int | None] = (0, None)
+# Consumer posting thread when the config leaves it None (docs/tuning.md#posting-thread): off on both. Measured on
+# one H200 (P1->D1, 16 requests, 4 in flight) it did not beat posting on the owner thread (406 against 456 GB/s
+# for fragmentation 0) and fragmented rounds stalled for 40-67 ms; on the 2-core CPU hosts the copy runs inside
+# the post and there is no core to spare.
+GPU_POST_THREAD = False
+HOST_POST_THREAD = False
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
@@ -151,6 +157,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     side_channel_curve: encrypt the side channel (handshakes, pack-mode staging queries) with ZeroMQ
         CURVE, the server key derived from the shared secret, which it therefore needs; every rank of
         both engines must agree. Cache bytes over NIXL stay unencrypted (docs/security.md).
+    post_thread: a consumer rank creates and posts its READs on a second thread (engine/poster.py), so its
+        own thread plans and polls while UCX posts (docs/tuning.md#posting-thread). None: off for both
+        GPU and host caches (GPU_POST_THREAD / HOST_POST_THREAD: measured, it did not help).
     peer_probe_s: how often a producer rank checks, on its own clock, that the consumer agents which
         claimed a request it still holds are alive (one NIXL notification each; docs/lifecycle.md,
         "Fast reclaim"). NIXL reporting one disconnected ends its requests at once instead of at the
@@ -182,6 +191,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     secret_file: str | None = None
     side_channel_curve: bool = False
     peer_probe_s: float = 1.0
+    post_thread: bool | None = None
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -215,6 +225,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  f"must be an integer of at least {MAX_MESSAGE_BYTES} (one message of the largest size)")
         if self.secret_file is not None and (not isinstance(self.secret_file, str) or not self.secret_file):
             _bad("secret_file", self.secret_file, "must be a non-empty path or None")
+        if self.post_thread is not None and not isinstance(self.post_thread, bool):
+            _bad("post_thread", self.post_thread, "must be true, false or None (chosen by the cache's memory)")
         if not isinstance(self.side_channel_curve, bool):
             _bad("side_channel_curve", self.side_channel_curve, "must be true or false")
         if self.num_backend_threads is not None and (
@@ -234,6 +246,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                     _bad(f"cost.{name}", value, "must be a non-negative, finite number of seconds")
         return self
+
+    def uses_post_thread(self, device_memory: bool) -> bool:
+        """Whether a consumer over device (True) or host memory posts its READs on a second thread."""
+        if self.post_thread is not None:
+            return self.post_thread
+        return GPU_POST_THREAD if device_memory else HOST_POST_THREAD
 
     def backend_params(self, device_memory: bool) -> dict[str, str]:
         """The UCX backend's init parameters for a cache in device (True) or host memory."""

@@ -134,8 +134,10 @@ class Consumer:
         self.tp_rank = self.geometry.tp_rank
         self._clock = clock
         self._kinds = tuple(g.kind for g in self.geometry.tensor_map.groups)
+        on_gpu = cache.device.type == "cuda"
         self.agent = NixlAgent(consumer_agent_name(self.engine_id, self.tp_rank, secrets.token_hex(4)), self.config,
-                               device_memory=cache.device.type == "cuda")
+                               device_memory=on_gpu, post_thread=self.config.uses_post_thread(on_gpu),
+                               thread_init=_device_setter(cache.device) if on_gpu else None)
         self._closed = False
         self._peers: Peers | None = None
         self._pack: PackReader | None = None
@@ -457,6 +459,9 @@ class Consumer:
         transition(req, ReadState.READING, now)
         link = req.link.resolve()
         req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
+        # The claim leaves first: its confirmation's round trip then overlaps the posts and the copy
+        # instead of following them (DONE waits for it, docs/lifecycle.md).
+        self._claim(req, [link.agents[src.source_rank] for src in plan.sources])
         self._pack.on_post(req, now)
         for src in plan.sources:
             try:  # direct, or through the source's staging as the plan says (engine/pack/reader.py)
@@ -464,10 +469,9 @@ class Consumer:
             except EngineError as exc:
                 self._on_post_error(req, link.agents[src.source_rank], exc, now)
                 return
-        self._claim(req, [link.agents[src.source_rank] for src in plan.sources])
 
     def _claim(self, req: ReadRequest, agents: Sequence[str]) -> None:
-        """Claim the ticket at every source agent, with the READs (claims.py): DONE waits for their confirmations."""
+        """Claim the ticket at every source agent, before the READs (claims.py): DONE waits for their confirmations."""
         t = req.ticket
         message = wire.encode(wire.Claim(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
                                          digest=claims.digest_of(t)), self._digest)
@@ -776,6 +780,15 @@ class Consumer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _device_setter(device) -> Callable[[], None]:
+    """For the posting thread: make ``device`` current there, so UCX posts with the cache's CUDA context."""
+    def set_device() -> None:
+        import torch
+
+        torch.cuda.set_device(device)
+    return set_device
 
 
 def _again(error: HandshakeError | None) -> HandshakeError:

@@ -206,3 +206,39 @@ def run_pack(cluster, prefill_tp, decode_tp, p_opts, c_opts, config, *, device="
     finally:
         producers.close()
         consumers.close()
+
+
+def slow_scatters(state, key, cycles: int) -> None:
+    """CUDA: every scatter of this consumer first waits ``cycles`` GPU clock cycles on the copier's stream
+    (its kernels then finish long after the poll that launched them returns), and the rank records:
+    per scatter how many earlier scatters were still running (request i+1's READ was DONE and its
+    scatter launched while request i's ran), and per request whether any scatter was still running when
+    the request was forgotten (it is forgotten only after its result went out)."""
+    import torch
+
+    pack = state.ranks[key].engine._pack
+    copier, seen = pack._copier, state.extra.setdefault(f"slow:{key}", {"running": [], "forgot_running": 0,
+                                                                            "tickets": []})
+    scatter, forget = copier.scatter, pack.forget
+
+    def slow_scatter(staging, dst, length):
+        if cycles:
+            with torch.cuda.stream(copier._stream):
+                torch.cuda._sleep(cycles)
+        seen["running"].append(sum(not t.is_done for t in seen["tickets"]))
+        ticket = scatter(staging, dst, length)
+        seen["tickets"].append(ticket)
+        return ticket
+
+    def watching_forget(request_id):
+        track = pack._tracks.get(request_id)
+        if track is not None and track.req.state.value == "done":
+            seen["forgot_running"] += sum(s.copy is not None and not s.copy.is_done for s in track.sources.values())
+        forget(request_id)
+
+    copier.scatter, pack.forget = slow_scatter, watching_forget
+
+
+def slow_scatter_report(state, key) -> dict:
+    seen = state.extra[f"slow:{key}"]
+    return {"running": seen["running"], "forgot_running": seen["forgot_running"], "scatters": len(seen["tickets"])}

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hybrid_transfer.engine.pack import gather_scatter
 from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, IndexCache
 from hybrid_transfer.errors import PlanError, RangeError
 
@@ -95,14 +96,26 @@ def test_pieces_outside_the_tensors_and_oversized_lists_are_refused():
 def test_index_cache_maps_rows_to_pieces_once_per_shape_and_forgets_the_oldest():
     cache = IndexCache(torch.device("cpu"), capacity=2)
     rows_per = np.array([3, 1, 2], dtype=np.int64)
-    got = cache.piece_of_row(rows_per, 6)
-    assert got.tolist() == [0, 0, 0, 1, 2, 2]
-    assert cache.piece_of_row(rows_per.copy(), 6) is got and (cache.hits, cache.misses) == (1, 1)
-    cache.piece_of_row(np.array([1, 1], dtype=np.int64), 2)
-    cache.piece_of_row(np.array([2], dtype=np.int64), 2)  # a third shape: the least recently used goes
+    piece, within = cache.shape(256, rows_per, 6)
+    assert piece.tolist() == [0, 0, 0, 1, 2, 2] and within.tolist() == [0, 1, 2, 0, 0, 1]
+    assert cache.shape(256, rows_per.copy(), 6)[0] is piece and (cache.hits, cache.misses) == (1, 1)
+    assert cache.shape(128, rows_per, 6)[0] is not piece  # another row width is another shape
+    cache.shape(256, np.array([2], dtype=np.int64), 2)  # a third shape: the least recently used goes
     assert len(cache) == 2
-    assert cache.piece_of_row(rows_per, 6) is not got and cache.misses == 4
-    assert cache.arange(5).tolist() == [0, 1, 2, 3, 4] and cache.arange(12).tolist() == list(range(12))
+    assert cache.shape(256, rows_per, 6)[0] is not piece and cache.misses == 4
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows_per=st.lists(st.integers(1, 40), min_size=1, max_size=30), seed=st.integers(0, 2**32 - 1))
+def test_the_cached_shape_and_first_rows_make_the_row_index_the_device_path_uses(rows_per, seed):
+    """first_row[piece(k)] + within[k] (the CUDA path's two kernels) is the row index, checked on CPU."""
+    rows_per = np.array(rows_per, dtype=np.int64)
+    first_row = np.random.default_rng(seed).integers(0, 10**6, rows_per.shape[0])
+    piece, within = IndexCache(torch.device("cpu")).shape(64, rows_per, int(rows_per.sum()))
+    index = torch.from_numpy(first_row).index_select(0, piece)
+    index.add_(within)
+    want = np.concatenate([np.arange(f, f + n) for f, n in zip(first_row.tolist(), rows_per.tolist(), strict=True)])
+    assert index.dtype == torch.int64 and index.tolist() == want.tolist()
 
 
 def _shifted_requests(device: str):
@@ -145,16 +158,18 @@ def test_requests_of_one_shape_reuse_the_index_map_and_land_bitwise(device):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
 def test_cuda_scatters_queued_back_to_back_land_in_stream_order():
-    """More scatters queued than the pinned ring has slots: each lands, in the order queued on the copier stream."""
+    """More scatters queued behind a busy stream than the pinned ring has slots: none waits (the ring grows),
+    each lands, in the order queued on the copier stream."""
     cache, requests, lengths = _shifted_requests("cuda")
     copier = Copier(Arena(cache))
     total = int(lengths.sum())
-    tickets, stagings = [], []
-    for k in range(20):  # more than the pinned ring's slots: a slot is reused only after its upload ran
-        staging = torch.full((total,), k, dtype=torch.uint8, device="cuda")
-        torch.cuda.current_stream().synchronize()
-        stagings.append(staging)
-        tickets.append(copier.scatter(staging, requests[k % 2], lengths))
+    slots = len(copier._pinned)
+    stagings = [torch.full((total,), k, dtype=torch.uint8, device="cuda") for k in range(20)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier._stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s: every upload below stays queued while the host goes on
+    tickets = [copier.scatter(stagings[k], requests[k % 2], lengths) for k in range(20)]
+    assert not tickets[0].is_done and len(copier._pinned) > slots
     for t in tickets:
         t.wait()
     for k in (18, 19):  # the last scatter of each destination set wins
@@ -178,3 +193,60 @@ def test_cuda_wide_rows_keep_every_bit_pattern():
     back = torch.zeros(total, dtype=torch.uint8, device="cuda")
     copier.gather(requests[0], lengths, back).wait()
     assert torch.equal(back, staging)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (torch.cuda unavailable)")
+def test_cuda_scatter_runs_on_the_copiers_stream_and_is_done_only_when_its_event_is():
+    """The scatter returns while its stream is still busy (the caller never waits), the caller's stream is not
+    held behind it, and is_done turns True only once the bytes are in place."""
+    cache, requests, lengths = _shifted_requests("cuda")
+    copier = Copier(Arena(cache))
+    total = int(lengths.sum())
+    staging = torch.full((total,), 0xA5, dtype=torch.uint8, device="cuda")
+    # Every kernel loaded once first (CUDA's lazy module loading may wait for the device), then a fresh index
+    # cache: the scatter under test misses it and must build its maps without waiting for the busy stream.
+    copier.scatter(staging, requests[0], lengths).wait()
+    marker = torch.zeros(1, device="cuda")
+    marker += 1
+    copier.index_cache = IndexCache(copier.device)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(copier._stream):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles ahead of the scatter on its stream
+    ticket = copier.scatter(staging, requests[0], lengths)
+    assert not ticket.is_done and ticket.elapsed_s == 0.0
+    marker += 1  # on the caller's (default) stream: not queued behind the copier's stream
+    torch.cuda.current_stream().synchronize()
+    assert not ticket.is_done
+    while not ticket.is_done:
+        pass
+    assert ticket.elapsed_s > 0 and 0 <= ticket.index_s <= ticket.elapsed_s
+    back = torch.zeros(total, dtype=torch.uint8, device="cuda")
+    copier.gather(requests[0], lengths, back).wait()
+    assert bool((back == 0xA5).all())
+
+
+class _Event:
+    def __init__(self, done: bool):
+        self.done, self.waited = done, False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def test_the_pinned_ring_reuses_finished_slots_and_grows_instead_of_waiting(monkeypatch):
+    """Bookkeeping only (CPU has no pinned memory): a slot whose upload ran is reused, a busy ring grows, and
+    only past its cap is the oldest upload waited for."""
+    monkeypatch.setattr(gather_scatter, "_PINNED_MAX", 3)
+    ring = gather_scatter._PinnedRing(2)
+    first, second = ring._slots
+    first[1], second[1] = _Event(True), _Event(False)
+    assert ring._free_slot() is first and len(ring) == 2  # its upload ran: reused
+    first[1] = _Event(False)
+    grown = ring._free_slot()  # both queued: a third slot, no wait
+    assert grown is not first and grown is not second and len(ring) == 3
+    grown[1] = _Event(False)
+    waited = ring._free_slot()  # at the cap: the oldest is waited for
+    assert len(ring) == 3 and waited[1].waited

@@ -47,6 +47,12 @@ def side_channel_counts(state, key) -> dict:
 @pytest.mark.parametrize("sealed", [False, True], ids=["open", "secret"])
 def test_pipelined_reads_wait_for_the_staged_range_in_the_ready_notification(cluster, tmp_path, sealed):
     """With a shared secret the Staged notifications are sealed like every other one."""
+    ready_notification_case(cluster, tmp_path, sealed, "cpu")
+
+
+def ready_notification_case(cluster, tmp_path, sealed: bool, device: str) -> None:
+    """Tickets before any gather, every read posted and waiting, then the holds: each source reads the
+    range its Staged notification carried, bitwise, with no query over the side channel (test_pack_cuda too)."""
     p, d, p_opts, c_opts = TOPOLOGIES["2->1"]  # fan-in, block sizes that differ between the sides
     p_specs = [RankSpec(TINY, p, r, NUM_BLOCKS, p_opts) for r in range(p)]
     c_specs = [RankSpec(TINY, d, 0, NUM_BLOCKS, c_opts)]
@@ -55,8 +61,8 @@ def test_pipelined_reads_wait_for_the_staged_range_in_the_ready_notification(clu
     if sealed:
         secret.write_bytes(key + b"\n")
     config = EngineConfig(mode=PlanMode.PACK, staging_bytes=1 << 20, secret_file=str(secret) if sealed else None)
-    producers = start_engine(cluster.workers[:p], p_specs, config, "cpu", True)
-    consumers = start_engine(cluster.workers[p:p + 1], c_specs, config, "cpu", False)
+    producers = start_engine(cluster.workers[:p], p_specs, config, device, True)
+    consumers = start_engine(cluster.workers[p:p + 1], c_specs, config, device, False)
     c_worker, c_key = consumers.workers[0], consumers.keys[0]
     try:
         rng = np.random.default_rng(21)

@@ -30,14 +30,15 @@ TOKEN_COUNTS = [37, 64, 1, 0, 100]
 
 
 def _transfer(cluster, prefill_tp, decode_tp, p_opts, c_opts, mode, model=TINY, num_blocks=NUM_BLOCKS,
-              token_counts=TOKEN_COUNTS, seed=0):
+              token_counts=TOKEN_COUNTS, seed=0, post_thread=None):
     """Move several requests, then check every byte: valid bytes hold the pattern, the rest poison
     (naive moves whole attention pages like vLLM, so the unused tail of the last page is not checked)."""
     p_specs = [RankSpec(model, prefill_tp, r, num_blocks, p_opts) for r in range(prefill_tp)]
     c_specs = [RankSpec(model, decode_tp, r, num_blocks, c_opts) for r in range(decode_tp)]
     workers = cluster.workers
     producers = start_producers(workers[:prefill_tp], p_specs)
-    consumers = start_consumers(workers[prefill_tp:prefill_tp + decode_tp], c_specs, EngineConfig(mode=mode))
+    consumers = start_consumers(workers[prefill_tp:prefill_tp + decode_tp], c_specs, EngineConfig(mode=mode,
+                                                                                             post_thread=post_thread))
     try:
         rng = np.random.default_rng(seed)
         remote_layouts = _layouts(p_specs[0].geometry(), token_counts, num_blocks, rng, extra=0)
@@ -114,3 +115,12 @@ def test_transfer_of_a_real_preset_geometry(cluster):
     """qwen3.5-0.8b pages (about 1 MiB each) fan out 1 -> 2: real descriptor sizes, still a small cache."""
     _transfer(cluster, 1, 2, None, None, PlanMode.COALESCED, model="qwen3.5-0.8b", num_blocks=12,
               token_counts=[600, 0])
+
+
+@pytest.mark.parametrize("mode", [PlanMode.COALESCED, PlanMode.NAIVE], ids=lambda m: m.value)
+@pytest.mark.parametrize("topology", ["1->2", "4->1"])
+def test_posting_thread_moves_every_byte_exactly(cluster, topology, mode):
+    """READs created and posted on the consumer's second thread (engine/poster.py): several requests in
+    flight per rank, fan-out and fan-in, still exact, every producer block freed."""
+    prefill_tp, decode_tp, p_opts, c_opts = TOPOLOGIES[topology]
+    _transfer(cluster, prefill_tp, decode_tp, p_opts, c_opts, mode, post_thread=True)

@@ -12,11 +12,13 @@ is built from the piece arrays, then
   gather:  index_select(arena_rows, 0, rows, out=staging_rows)   (staging is dense, in piece order)
   scatter: arena_rows.index_copy_(0, rows, staging_rows)          (CPU: the same as a numpy row assignment)
 
-On CUDA the row index never passes through the host: row k of piece p is ``shift[p] + k``, and the
-row -> piece map depends only on the pieces' row counts (the plan's shape, the same for every
-request of one shape), so it is uploaded once and cached per shape (``IndexCache``). Per request
-only ``shift`` (one int64 per piece) is copied up, from pinned memory, without waiting for the
-stream; two small kernels make the index and one kernel copies.
+On CUDA the row index never passes through the host. Row k of the staging belongs to piece
+p(k) and is row ``within[k]`` of it; both depend only on the pieces' row counts (the plan's shape,
+the same for every request of one shape), so they are built on the device once and cached per
+shape with the arena's row view (``IndexCache``). Per request only ``first_row`` (one int64 per
+piece) is copied up, from pinned memory, without waiting for the stream; then two kernels queued
+back to back, ``first_row[p(k)] + within[k]`` (index_select, add in place), and the copy kernel.
+The host's part per request is numpy over the pieces (range check, gcd) and a dict lookup.
 
 Bytes between the tensors are never touched: every piece is first checked to lie inside one
 tensor (RangeError otherwise). On CUDA both run on the copier's own stream (a gather first waits
@@ -42,7 +44,8 @@ _ROW_DTYPES = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.u
 # pattern (NaN payloads included) survives; tests/engine/test_gather_scatter.py checks it bitwise on CUDA.
 _CUDA_ROW_DTYPES = ((16, torch.complex128),) + _ROW_DTYPES
 INDEX_CACHE_SHAPES = 16  # row -> piece maps kept per copier (a few MB each for a 397B request)
-_PINNED_SLOTS = 8  # per-request shift uploads in flight per copier
+_PINNED_SLOTS = 8  # per-request first-row uploads in flight per copier, to start with
+_PINNED_MAX = 256  # ... at most (each a few KB): past it a new upload waits for the oldest
 
 
 class _HostIface:
@@ -103,11 +106,12 @@ class Arena:
 class CopyTicket:
     """One launched gather or scatter: done on CPU at once; on CUDA when its end event completes."""
 
-    __slots__ = ("_start", "_end", "_elapsed_s", "_keep")
+    __slots__ = ("_start", "_mid", "_end", "_elapsed_s", "_index_s", "_keep")
 
-    def __init__(self, elapsed_s: float | None = None, start=None, end=None, keep: tuple = ()):
+    def __init__(self, elapsed_s: float | None = None, start=None, end=None, keep: tuple = (), mid=None):
         self._elapsed_s = elapsed_s
-        self._start, self._end, self._keep = start, end, keep
+        self._index_s = 0.0
+        self._start, self._mid, self._end, self._keep = start, mid, end, keep
 
     @property
     def is_done(self) -> bool:
@@ -129,69 +133,116 @@ class CopyTicket:
         """Copy time (index build included); 0.0 until done."""
         return self._elapsed_s if self.is_done and self._elapsed_s is not None else 0.0
 
+    @property
+    def index_s(self) -> float:
+        """CUDA: the part of ``elapsed_s`` spent uploading and building the row index (0.0 on CPU, until done)."""
+        return self._index_s if self.is_done else 0.0
+
     def _settle(self) -> None:
         self._elapsed_s = self._start.elapsed_time(self._end) / 1e3
+        if self._mid is not None:
+            self._index_s = self._start.elapsed_time(self._mid) / 1e3
         self._keep = ()
 
 
 class IndexCache:
-    """Per plan shape (row counts of the pieces), the device's row -> piece map; LRU, ``capacity`` shapes."""
+    """Per plan shape (row width, row counts of the pieces): the device's row -> piece map and row-in-piece ramp.
+
+    LRU over ``capacity`` shapes; also keeps the arena's row views per row width.
+    """
 
     def __init__(self, device: torch.device, capacity: int = INDEX_CACHE_SHAPES):
         self.device = device
         self.capacity = capacity
-        self._maps: collections.OrderedDict[bytes, torch.Tensor] = collections.OrderedDict()
-        self._arange = torch.empty(0, dtype=torch.int64, device=device)
+        self._maps: collections.OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = collections.OrderedDict()
+        self.views: dict[int, tuple] = {}  # row width -> (element width, dtype, arena rows): Copier's
+        # A miss uploads from pageable host memory, which waits for the stream it is issued on: built on a stream
+        # of its own (idle), so a copier stream backlogged with earlier scatters never blocks the caller.
+        self._build_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.hits = 0
         self.misses = 0
 
-    def piece_of_row(self, rows_per: np.ndarray, num_rows: int) -> torch.Tensor:
-        """int64 tensor of ``num_rows``: the piece each staging row belongs to (built on a miss only)."""
-        key = rows_per.tobytes()
+    def shape(self, g: int, rows_per: np.ndarray, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(piece of each staging row, its row within that piece), ``num_rows`` each; built on a miss only.
+
+        Index dtypes are int32 where the counts allow (half the bytes the index kernel reads).
+        """
+        key = (g, rows_per.tobytes())
         found = self._maps.get(key)
         if found is not None:
             self.hits += 1
             self._maps.move_to_end(key)
             return found
         self.misses += 1
-        counts = torch.as_tensor(rows_per, device=self.device)
-        pieces = torch.arange(rows_per.shape[0], dtype=torch.int64, device=self.device)
-        found = torch.repeat_interleave(pieces, counts, output_size=num_rows)
+        if self._build_stream is None:
+            found = self._build(rows_per, num_rows)
+        else:
+            user = torch.cuda.current_stream(self.device)  # the copier's: it waits for the maps, not the host
+            with torch.cuda.stream(self._build_stream):
+                found = self._build(rows_per, num_rows)
+            user.wait_stream(self._build_stream)
+            for t in found:  # used on the copier's stream: not reused before its queued work is done, once evicted
+                t.record_stream(user)
         self._maps[key] = found
         if len(self._maps) > self.capacity:
             self._maps.popitem(last=False)
         return found
 
-    def arange(self, n: int) -> torch.Tensor:
-        """0 .. n-1 on the device (one tensor, grown when needed)."""
-        if self._arange.shape[0] < n:
-            self._arange = torch.arange(max(n, 2 * self._arange.shape[0]), dtype=torch.int64, device=self.device)
-        return self._arange[:n]
+    def _build(self, rows_per: np.ndarray, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        small = num_rows < 2**31
+        counts = torch.as_tensor(rows_per, device=self.device)
+        pieces = torch.arange(rows_per.shape[0], dtype=torch.int32 if small else torch.int64, device=self.device)
+        piece_of_row = torch.repeat_interleave(pieces, counts, output_size=num_rows)
+        before = torch.as_tensor(np.cumsum(rows_per) - rows_per, device=self.device)
+        within = torch.arange(num_rows, dtype=torch.int64, device=self.device)
+        within -= before.index_select(0, piece_of_row)
+        return piece_of_row, within.to(torch.int32) if small else within
 
     def __len__(self) -> int:
         return len(self._maps)
 
 
 class _PinnedRing:
-    """Pinned host buffers for small uploads that must not wait for the stream (pageable copies would)."""
+    """Pinned host buffers for small uploads that must not wait for the stream (pageable copies would).
+
+    A slot is reused once its last upload ran; when every slot's upload is still queued (the copier's stream
+    is that far behind) another slot is added rather than waiting, up to ``_PINNED_MAX`` (then the oldest is
+    waited for: bounded by that upload's queue). The decode thread never blocks on a backlog of scatters.
+    """
 
     def __init__(self, slots: int = _PINNED_SLOTS):
         self._slots: list[list] = [[torch.empty(0, dtype=torch.int64), None, 0] for _ in range(slots)]  # buf, event, n
         self._next = 0
 
-    def stage(self, values: np.ndarray) -> list:
-        """Copy ``values`` (int64) into the next free pinned slot (host work only); pass the slot to ``upload``."""
+    def _free_slot(self) -> list:
+        for _ in range(len(self._slots)):
+            slot = self._slots[self._next]
+            self._next = (self._next + 1) % len(self._slots)
+            if slot[1] is None or slot[1].query():
+                return slot
+        if len(self._slots) < _PINNED_MAX:
+            slot = [torch.empty(0, dtype=torch.int64), None, 0]
+            self._slots.insert(self._next, slot)
+            self._next = (self._next + 1) % len(self._slots)
+            return slot
         slot = self._slots[self._next]
         self._next = (self._next + 1) % len(self._slots)
-        if slot[1] is not None:
-            slot[1].synchronize()  # the slot's last upload; long finished unless uploads outrun the stream
-            slot[1] = None
+        slot[1].synchronize()
+        return slot
+
+    def stage(self, values: np.ndarray) -> list:
+        """Copy ``values`` (int64) into a free pinned slot (host work only); pass the slot to ``upload``."""
+        slot = self._free_slot()
+        slot[1] = None
         n = values.shape[0]
         if slot[0].shape[0] < n:
             slot[0] = torch.empty(max(n, 2 * slot[0].shape[0]), dtype=torch.int64, pin_memory=True)
         slot[0][:n].numpy()[:] = values
         slot[2] = n
         return slot
+
+    def __len__(self) -> int:
+        return len(self._slots)
 
     def upload(self, slot: list, device: torch.device, stream) -> torch.Tensor:
         """The staged values on the device, copied on ``stream`` (the current one) without waiting for it."""
@@ -210,6 +261,7 @@ class Copier:
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.index_cache = IndexCache(self.device) if self._stream is not None else None
         self._pinned = _PinnedRing() if self._stream is not None else None
+        self.last_rows = (0, 0)  # (row bytes, rows) of the last gather or scatter: benchmarks report them
 
     def gather(self, src_addr: np.ndarray, length: np.ndarray, staging: torch.Tensor) -> CopyTicket:
         """staging[offset_i : offset_i + length_i] = bytes at src_addr_i, offsets the prefix sums of length."""
@@ -234,48 +286,59 @@ class Copier:
         rel = addr - self.arena.origin
         g = int(np.gcd.reduce(np.concatenate((rel, length, [staging.data_ptr() - self.arena.origin]))))
         first_row, rows_per = rel // g, length // g
-        # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
-        shift = first_row - (np.cumsum(rows_per) - rows_per)
         num_rows = total // g
+        self.last_rows = (g, num_rows)
         if self._stream is None:
             t0 = time.perf_counter()
-            self._copy_host(shift, rows_per, num_rows, g, staging, gather)
+            # Row k of staging <-> arena row first_row[p] + (k - rows before piece p), for the piece p holding k.
+            self._copy_host(first_row - (np.cumsum(rows_per) - rows_per), rows_per, num_rows, g, staging, gather)
             return CopyTicket(time.perf_counter() - t0)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, mid, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         if gather:  # cheap insurance: after any writes to the cache still queued on the caller's stream
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            keep = self._copy_device(shift, rows_per, num_rows, g, staging, gather, start)
+            keep = self._copy_device(first_row, rows_per, num_rows, g, staging, gather, start, mid)
             end.record()
-        return CopyTicket(None, start, end, keep)
+        return CopyTicket(None, start, end, keep, mid)
 
     def _rows(self, g: int, staging: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Arena and staging as rows of g bytes, in the widest element type dividing g (and the origin)."""
-        dtypes = _CUDA_ROW_DTYPES if self.device.type == "cuda" else _ROW_DTYPES
-        width, dtype = next((w, d) for w, d in dtypes if g % w == 0 and self.arena.origin % w == 0)
-        arena_rows = self.arena.bytes[: (self.arena.nbytes // g) * g].view(dtype).view(-1, g // width)
+        views = self.index_cache.views if self.index_cache is not None else {}
+        found = views.get(g)
+        if found is None:
+            dtypes = _CUDA_ROW_DTYPES if self.device.type == "cuda" else _ROW_DTYPES
+            width, dtype = next((w, d) for w, d in dtypes if g % w == 0 and self.arena.origin % w == 0)
+            arena_rows = self.arena.bytes[: (self.arena.nbytes // g) * g].view(dtype).view(-1, g // width)
+            found = views[g] = (width, dtype, arena_rows)
+        width, dtype, arena_rows = found
         return arena_rows, staging[: num_rows * g].view(dtype).view(num_rows, g // width)
 
-    def _copy_device(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
-                     gather: bool, start) -> tuple:
-        """One index_select or index_copy_ kernel over int rows; the index is made on the device from the
-        cached row -> piece map of this shape and the per-piece shifts (the only per-request upload).
+    def row_width(self, g: int) -> int:
+        """Bytes per element the index kernels move for rows of ``g`` bytes (benchmarks report it)."""
+        dtypes = _CUDA_ROW_DTYPES if self.device.type == "cuda" else _ROW_DTYPES
+        return next(w for w, _ in dtypes if g % w == 0 and self.arena.origin % w == 0)
 
-        ``start`` is recorded once the host's part is done (views, cache lookup): the event pair times
-        the device's work, upload and index included, not the host's launch path.
+    def _copy_device(self, first_row: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
+                     gather: bool, start, mid) -> tuple:
+        """One index_select or index_copy_ kernel over rows; the index is made on the device from the shape's
+        cached (piece of row, row within piece) and the per-piece first rows (the only per-request upload).
+
+        ``start`` is recorded once the host's part is done (views, cache lookup, pinned copy): the event
+        pair times the device's work, upload and index included; ``mid`` splits off the copy kernel.
         """
         arena_rows, stage_rows = self._rows(g, staging, num_rows)
-        piece_of_row = self.index_cache.piece_of_row(rows_per, num_rows)
-        ramp = self.index_cache.arange(num_rows)
-        slot = self._pinned.stage(shift)
+        piece_of_row, within = self.index_cache.shape(g, rows_per, num_rows)
+        slot = self._pinned.stage(first_row)
         start.record()
-        shift_t = self._pinned.upload(slot, self.device, self._stream)
-        index = torch.add(ramp, shift_t.index_select(0, piece_of_row))
+        first_t = self._pinned.upload(slot, self.device, self._stream)
+        index = first_t.index_select(0, piece_of_row)
+        index.add_(within)
+        mid.record()
         if gather:
             torch.index_select(arena_rows, 0, index, out=stage_rows)
         else:
             arena_rows.index_copy_(0, index, stage_rows)
-        return (index, shift_t, piece_of_row, staging)
+        return (index, first_t, piece_of_row, within, staging)
 
     def _copy_host(self, shift: np.ndarray, rows_per: np.ndarray, num_rows: int, g: int, staging: torch.Tensor,
                    gather: bool) -> None:
