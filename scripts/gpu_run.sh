@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the GPU figures on a lent H200 host from the repo root (the device tool's machine):
 #   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split,
-#                                      overhead, threads, direct (issue 13's rows)
+#                                      overhead, threads, direct (issue 13's rows), long (131,072 tokens and the
+#                                      token sweep), two-gpu (needs two GPUs: prefill on 0, decode on 1)
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (built outside
 # this repository, plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
 set -u
@@ -13,21 +14,30 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 # Without it UCX moves GPU bytes over TCP on hosts without NVLink (docs/tuning.md#cuda-ipc). Multicast stays off (device tool rule).
 export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 ht() { python3 -m hybrid_transfer "$@"; }
+say() { echo "+ $*"; }  # every stage prints the exact command it runs
 BIG="--preset qwen3.5-397b-a17b --tokens 8192 --requests ${REQUESTS:-8} --concurrency ${CONCURRENCY:-4} --rounds ${ROUNDS:-3}"
 SMALL="--preset qwen3.5-0.8b --tokens 2048 --requests 16 --concurrency 4 --rounds ${ROUNDS:-3}"
 SWEEP="--sweep fragmentation --sweep-values 0,1"
+# Long context: one request per round fits one H200 with --verify (sizing.device_bytes: ~75 GiB coalesced,
+# ~94 GiB pack for P2 -> D8 at 131,072 tokens; 2 requests need ~128 / ~166 GiB). The bench refuses more.
+LONG="--preset qwen3.5-397b-a17b --requests ${LONG_REQUESTS:-1} --concurrency 1 --warmup 1 --rounds ${ROUNDS:-3}"
+LONG_MODE=${LONG_MODE:-pack}  # the chosen mode for P2 -> D8 (pack or auto)
 
 bench() {  # name, args...
     local name=$1; shift
-    echo "=== bench $name: $*"
-    # Only the JSON goes to $OUT (the device tool brings back at most 8 files); the table goes to stdout.
-    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n 16
+    echo "=== bench $name"
+    echo "+ python3 -m hybrid_transfer bench --device cuda --verify $SWEEP $* --json $OUT/$name.json"
+    # Only the JSON (and a plot where asked) goes to $OUT (the device tool brings back at most 8 files);
+    # the summary and time-split tables go to stdout.
+    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n 32
 }
 
 for stage in "$@"; do
     case $stage in
-        doctor) nvidia-smi -L; ht doctor --device cuda --json > "$OUT/doctor.json"; ht doctor --device cuda ;;
-        pytest) python3 -m pytest -q -rs tests/engine/test_pack_cuda.py tests/engine/test_gather_scatter.py 2>&1 | tail -n 15 ;;
+        doctor) say "python3 -m hybrid_transfer doctor --device cuda [--json > $OUT/doctor.json]"
+            nvidia-smi -L; ht doctor --device cuda --json > "$OUT/doctor.json"; ht doctor --device cuda ;;
+        pytest) say "python3 -m pytest -q -rs tests/engine/test_pack_cuda.py tests/engine/test_gather_scatter.py"
+            python3 -m pytest -q -rs tests/engine/test_pack_cuda.py tests/engine/test_gather_scatter.py 2>&1 | tail -n 15 ;;
         single|single-coalesced|single-pack)  # MODES overrides the modes measured beside naive and ceiling
             modes=${MODES:-coalesced pack}
             [ "$stage" = single-coalesced ] && modes=coalesced
@@ -45,10 +55,15 @@ for stage in "$@"; do
                 bench "cross_397b_p2d8_$mode" $BIG --prefill-tp 2 --decode-tp 8 --mode "$mode" \
                     --prefill-gpus 0 --decode-gpus 1
             done ;;
-        split) python3 benchmarks/pack_split.py --device cuda --runs 7 2>&1 | tail -n 20 ;;
+        split) say "python3 benchmarks/pack_split.py --device cuda --runs 7"
+            python3 benchmarks/pack_split.py --device cuda --runs 7 2>&1 | tail -n 20 ;;
         overhead)  # the consumer's own Python work per direct request, NIXL's calls timed apart
-            for case in p1d1 p2d8; do python3 benchmarks/request_overhead.py --device cuda --case $case 2>&1 | tail -n 3; done ;;
+            for case in p1d1 p2d8; do
+                say "python3 benchmarks/request_overhead.py --device cuda --case $case"
+                python3 benchmarks/request_overhead.py --device cuda --case $case 2>&1 | tail -n 3
+            done ;;
         threads)  # UCX thread-pool settings against direct-path GB/s (EngineConfig's GPU defaults)
+            say "python3 benchmarks/ucx_threads.py --device cuda --case p1d1 --frag 0,1 --json $OUT/ucx_threads_p1d1.json"
             python3 benchmarks/ucx_threads.py --device cuda --case p1d1 --frag 0,1 --json "$OUT/ucx_threads_p1d1.json" 2>&1 \
                 | grep -E '^p1d1' ;;
         threads-bench)  # the direct rows again with other UCX thread-pool settings (THREADS="T:S ...")
@@ -63,6 +78,20 @@ for stage in "$@"; do
             bench direct_397b_p1d1_coalesced $BIG --prefill-tp 1 --decode-tp 1 --mode coalesced
             SWEEP="--fragmentation 1" bench direct_397b_p2d8_coalesced $BIG --prefill-tp 2 --decode-tp 8 --mode coalesced
             SWEEP="--fragmentation 1" bench direct_397b_p2d8_pack $BIG --prefill-tp 2 --decode-tp 8 --mode pack ;;
+        long)  # issue 13's long-context row (P2 -> D8 at 131,072 tokens, fragmented) and the token sweep
+            SWEEP="--fragmentation 1" bench "long_397b_p2d8_131k_$LONG_MODE" $LONG --tokens 131072 \
+                --prefill-tp 2 --decode-tp 8 --mode "$LONG_MODE"
+            SWEEP="--fragmentation 1 --sweep tokens --sweep-values ${LONG_TOKENS:-8192,32768,131072}" \
+                bench "long_397b_p2d8_sweep_tokens_$LONG_MODE" $LONG --prefill-tp 2 --decode-tp 8 --mode "$LONG_MODE" \
+                --plot "$OUT/long_397b_p2d8_sweep_tokens_$LONG_MODE.png" ;;
+        two-gpu)  # issue 13's two-H200 rows: prefill ranks on GPU 0, decode ranks on GPU 1, best mode per row
+            p1d1_mode=${TWO_P1D1_MODE:-coalesced}; p2d8_mode=${TWO_P2D8_MODE:-pack}
+            SWEEP="--fragmentation 1" bench "two_397b_p1d1_frag1_$p1d1_mode" $BIG --prefill-tp 1 --decode-tp 1 \
+                --mode "$p1d1_mode" --prefill-gpus 0 --decode-gpus 1
+            SWEEP="--fragmentation 1" bench "two_397b_p2d8_frag1_$p2d8_mode" $BIG --prefill-tp 2 --decode-tp 8 \
+                --mode "$p2d8_mode" --prefill-gpus 0 --decode-gpus 1
+            SWEEP="--fragmentation 0" bench "two_397b_p1d1_frag0_$p1d1_mode" $BIG --prefill-tp 1 --decode-tp 1 \
+                --mode "$p1d1_mode" --prefill-gpus 0 --decode-gpus 1 ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

@@ -10,7 +10,8 @@ each round and every figure comes from the variant's median-GB/s round):
   verify  every request against the global-coordinate oracle (with --verify), outside the window
   plan    each decode rank plans the same requests again, timed one by one (engine variants)
 The coordinator passes block ids, tickets and results over pipes as typed messages (bench.messages);
-it never touches NIXL.
+it never touches NIXL. A token sweep starts fresh rank processes per point, sized to that point's tokens
+(a 131,072-token point needs 16x an 8,192-token one); other runs share one set for every point.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import msgspec
 
 from hybrid_transfer.bench import messages as m
 from hybrid_transfer.bench import sizing
-from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Variant
+from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Sweep, Variant
 from hybrid_transfer.bench.stats import (
     ConsumerRun,
     PlanTiming,
@@ -49,7 +50,12 @@ START_DELAY_S = 0.05  # decode ranks start together this long after the coordina
 # When rank processes outnumber cores (10 ranks on a 2-core CI host), spinning decode ranks would starve the
 # ones copying; they sleep this long between empty polls instead. With a core each, they spin.
 CONTENDED_POLL_SLEEP_S = 50e-6
+# Prefill ranks in a timed window: with a core each they spin too (every claim confirmation and Staged
+# notification a request waits on passes through their poll). Contended, they sleep 1 ms: on the 2-core host,
+# 50 us cost the producers 3-4x the CPU seconds and did not raise the P1 -> D1 or P2 -> D8 rows (docs/benchmarks.md).
+CONTENDED_SERVE_SLEEP_S = 1e-3
 MEMORY_HEADROOM = 0.85  # refuse a CPU run whose estimate exceeds this share of MemAvailable
+DEVICE_HEADROOM = 0.92  # refuse a cuda run whose buffers on one GPU exceed this share of its memory
 CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
 
 StepCallback = Callable[[str], None]
@@ -162,8 +168,10 @@ class Coordinator:
         self.warnings: list[str] = []
         self.producers: list[RankProcess] = []
         self.consumers: list[RankProcess] = []
-        self.ceiling = sizing.ceiling_sizes(self.spec)
+        self.ceiling = sizing.ceiling_sizes(self.spec)  # the largest point's: what the memory checks judge
         self.memory = sizing.memory_estimate(self.spec, self.ceiling)
+        self.sized = self.spec  # what the running rank processes were sized for (point_spec in a token sweep)
+        self.sized_ceiling = self.ceiling
 
     @property
     def num_steps(self) -> int:
@@ -172,22 +180,33 @@ class Coordinator:
         per_ceiling = 2 + (1 if s.verify else 0)
         per_point = (1 if s.verify else 0) + s.rounds * sum(per_ceiling if v.plan_mode is None else per_engine
                                                             for v in s.variants)
-        return 2 + per_point * len(s.points)
+        starts = len(s.points) if s.sweep is Sweep.TOKENS else 1
+        return 2 * starts + per_point * len(s.points)
 
     def run(self) -> BenchResult:
         self._t0 = time.monotonic()
         check_engine_modes(self.spec)
         if self.spec.device is Device.CUDA:
             self.warnings += cuda_environment()
+            self._check_device_memory()
         else:
             self._check_host_memory()
         for w in self.warnings:
             log.warning("%s", w)
-        try:
-            self._start()
-            points = [self._run_point(i, p) for i, p in enumerate(self.spec.points)]
-        finally:
-            self._close()
+        points = []
+        if self.spec.sweep is Sweep.TOKENS:  # each point its own rank processes, caches sized to its tokens
+            for i, p in enumerate(self.spec.points):
+                try:
+                    self._start(point_spec(self.spec, p))
+                    points.append(self._run_point(i, p))
+                finally:
+                    self._close()
+        else:
+            try:
+                self._start(self.spec)
+                points = [self._run_point(i, p) for i, p in enumerate(self.spec.points)]
+            finally:
+                self._close()
         return BenchResult(self.spec, points, self.memory, _host_info(self.spec), self.warnings)
 
     def _step(self, description: str) -> None:
@@ -197,22 +216,40 @@ class Coordinator:
     # ---- start-up -----------------------------------------------------------------------
     def _check_host_memory(self) -> None:
         available = sizing.available_host_bytes()
-        if available is not None and self.memory.total_bytes > MEMORY_HEADROOM * available:
-            raise ConfigError(
-                f"this run needs about {self.memory.total_bytes / 2**30:.1f} GiB (prefill rank "
-                f"{self.memory.prefill_rank_bytes / 2**30:.2f} GiB, decode rank "
-                f"{self.memory.decode_rank_bytes / 2**30:.2f} GiB with --verify's expected copy), "
-                f"{available / 2**30:.1f} GiB are available: use fewer --requests or --tokens",
-                field="requests", value=self.spec.requests)
+        if available is None or self.memory.total_bytes <= MEMORY_HEADROOM * available:
+            return
+        best = sizing.fitting_requests(self.spec, lambda t: sizing.memory_estimate(
+            t, sizing.ceiling_sizes(t)).total_bytes <= MEMORY_HEADROOM * available)
+        raise ConfigError(
+            f"this run needs about {self.memory.total_bytes / 2**30:.1f} GiB (prefill rank "
+            f"{self.memory.prefill_rank_bytes / 2**30:.2f} GiB, decode rank "
+            f"{self.memory.decode_rank_bytes / 2**30:.2f} GiB with --verify's expected copy), "
+            f"{available / 2**30:.1f} GiB are available: "
+            + (f"use --requests {best} or fewer --tokens" if best else "no --requests fits: use fewer --tokens"),
+            field="requests", value=self.spec.requests)
 
-    def _start(self) -> None:
-        s = self.spec
+    def _check_device_memory(self) -> None:
+        """Every GPU a rank lands on must hold its ranks' buffers (queried without creating a context)."""
+        import torch
+
+        if not torch.cuda.is_available():
+            return  # the rank processes name the missing GPU (setup_rank)
+        gpus = set(self.spec.prefill_gpus) | set(self.spec.decode_gpus)
+        capacity = {g: torch.cuda.get_device_properties(g).total_memory for g in gpus
+                    if g < torch.cuda.device_count()}
+        sizing.check_device_memory(self.spec, capacity, DEVICE_HEADROOM)
+
+    def _start(self, sized: BenchSpec) -> None:
+        """Rank processes whose caches, ceiling slots, copy buffers and staging are sized for ``sized``."""
+        s = self.sized = sized
+        self.sized_ceiling = sizing.ceiling_sizes(sized)
         ctx = mp.get_context("spawn")
         self.producers = [RankProcess(ctx, f"prefill {r}") for r in range(s.prefill_tp)]
         self.consumers = [RankProcess(ctx, f"decode {r}") for r in range(s.decode_tp)]
         cores, num_ranks = os.cpu_count() or 1, s.prefill_tp + s.decode_tp
         threads = max(1, cores // num_ranks)
         poll_sleep_s = 0.0 if cores > num_ranks else CONTENDED_POLL_SLEEP_S
+        serve_sleep_s = 0.0 if cores > num_ranks else CONTENDED_SERVE_SLEEP_S
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         prefill_id, decode_id = f"prefill-{secrets.token_hex(3)}", f"decode-{secrets.token_hex(3)}"
         incarnation = secrets.randbits(62)
@@ -226,7 +263,8 @@ class Coordinator:
                     torch_threads=threads, engine_id=prefill_id if side else decode_id,
                     incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
                     staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
-                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, post_thread=s.post_thread)))
+                    kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, post_thread=s.post_thread,
+                    serve_sleep_s=serve_sleep_s)))
         started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
             c.recv(m.Done)
@@ -241,7 +279,7 @@ class Coordinator:
     def _open_ceiling(self) -> None:
         from hybrid_transfer.plan.topology import Topology
 
-        c = self.ceiling
+        c = self.sized_ceiling
         seeds = [self.spec.seed * 31 + r + 1 for r in range(self.spec.prefill_tp)]
         for r, p in enumerate(self.producers):
             p.send(m.CeilingOpen(c.slots, c.src_slot_bytes[r], seeds[r]))
@@ -259,7 +297,7 @@ class Coordinator:
             ]))
         for proc in self.consumers:
             proc.recv(m.Done)
-        lengths = sizing.source_bytes(self.spec, max(p.tokens for p in self.spec.points))
+        lengths = sizing.source_bytes(self.spec, max(p.tokens for p in self.sized.points))
         for d, proc in enumerate(self.consumers):
             proc.send(m.CopyOpen([m.CopySourceSpec(s, n, self.spec.gpu_of(True, s), seeds[s])
                                   for s, n in lengths[d].items()]))
@@ -272,11 +310,12 @@ class Coordinator:
                 proc.close()
             except Exception as exc:  # noqa: BLE001 - keep closing the others
                 log.warning("closing %s failed: %s", proc.name, exc)
+        self.consumers, self.producers = [], []
 
     # ---- one point ----------------------------------------------------------------------
     def _run_point(self, index: int, point: Point) -> PointResult:
         s = self.spec
-        p_layouts, c_layouts = sizing.layouts(s, point, index)
+        p_layouts, c_layouts = sizing.layouts(self.sized, point, index)  # ids within this start's pools
         seeds = [sizing.request_seed(s, index, k) for k in range(s.requests)]
         if s.verify:
             _all(self.producers, m.Fill(p_layouts, seeds))
@@ -377,7 +416,7 @@ class Coordinator:
         runs, serves = self._ceiling_phase([f"{tag}-{k}" for k in range(s.requests)], lengths, copy)
         self._step(f"{tag}: timed")
         if s.verify:
-            slots_used = min(self.ceiling.slots, s.requests)
+            slots_used = min(self.sized_ceiling.slots, s.requests)
             check = m.CopyVerify if copy else m.CeilingVerify
             for d, proc in enumerate(self.consumers):
                 proc.send(check(slots_used, lengths[d]))
@@ -390,6 +429,12 @@ class Coordinator:
     def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]], copy: bool = False):
         run = m.RunCopy if copy else m.RunCeiling
         return self._timed([], lambda d, start_at: run(rids, lengths[d], self.spec.concurrency, start_at))
+
+
+def point_spec(spec: BenchSpec, point: Point) -> BenchSpec:
+    """The run reduced to one point: what a token sweep sizes that point's rank processes for."""
+    return msgspec.structs.replace(spec, tokens=point.tokens, fragmentation=point.fragmentation, sweep=Sweep.NONE,
+                                   sweep_values=())
 
 
 def run_bench(spec: BenchSpec, on_step: StepCallback | None = None) -> BenchResult:

@@ -43,6 +43,7 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     kv_layout: str = "interleaved"  # KVLayout value of both sides
     split_batch_size: int | None = None  # EngineConfig.split_batch_size (None: its default)
     post_thread: bool | None = None  # EngineConfig.post_thread (None: its default)
+    serve_sleep_s: float = 0.001  # prefill ranks' wait between polls in a timed window (0: spin with sched_yield)
 
     def engine_config(self, **fields):
         """The EngineConfig of this rank's agents: the run's UCX backend settings, plus ``fields``."""

@@ -13,7 +13,7 @@ from hybrid_transfer.bench.stats import VariantStats, ratio
 _FIGURES = ("gbps", "gbps_rounds", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms",
             "completion_ms", "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms",
             "consumer_cpu_s", "producer_cpu_s", "window_s", "gather_ms", "query_ms", "scatter_ms", "packed_sources",
-            "fallback_sources")
+            "fallback_sources", "read_ms", "settle_ms", "consumer_cpu_ms_per_request", "producer_cpu_ms_per_request")
 
 
 def _round(x: Any) -> Any:
@@ -142,18 +142,54 @@ NOTES = (
 )
 
 
-def plain_table(result: BenchResult) -> str:
-    """The summary table as plain text (where rich is not installed, e.g. a bare GPU image)."""
-    header = ([result.spec.sweep.value] if result.spec.sweep is not Sweep.NONE else []) + list(COLUMNS)
-    rows = [header] + table_rows(result)
+SPLIT_COLUMNS = ("variant", "plan ms", "post ms", "read ms", "settle ms", "query ms", "scatter ms", "p50 ms",
+                 "ovh ms", "CPU ms/req d/p")
+SPLIT_TITLE = "time split per request and decode rank (medians)"
+SPLIT_NOTES = (
+    "Per (decode rank, request): post ms (inside start_read) + read ms (start_read returned -> every READ "
+    "DONE; pack: the wait for the Staged notification included) + settle ms (READs DONE -> reported DONE: "
+    "pack's scatter, the producers' claim confirmations) = that request's latency; each column is a median, "
+    "so they add up per request, not across columns. plan ms: measured again outside the window (it is inside "
+    "post ms). query / scatter ms: pack only. CPU ms/req: process CPU time in the window per (rank, request), "
+    "decode ranks / prefill ranks."
+)
+
+
+def split_rows(result: BenchResult) -> list[list[str]]:
+    """Rows of the time-split table, one per (point, variant)."""
+    s = result.spec
+    rows = []
+    for pr in result.points:
+        for name, st in pr.stats.items():
+            row = [str(getattr(pr.point, s.sweep.value))] if s.sweep is not Sweep.NONE else []
+            row += [
+                name + ("*" if name == s.mode.value else ""), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
+                _fmt(st.read_ms, 3), _fmt(st.settle_ms, 3), _fmt(st.query_ms, 3), _fmt(st.scatter_ms, 3),
+                _fmt(st.p50_ms, 3), _fmt(st.overhead_ms, 3),
+                f"{st.consumer_cpu_ms_per_request:.3f} / {st.producer_cpu_ms_per_request:.3f}",
+            ]
+            rows.append(row)
+    return rows
+
+
+def _plain(header: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [header] + rows
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-    lines = [headline(result), ""]
+    lines = []
     for n, row in enumerate(rows):
         lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths,
                                                                                             strict=True))))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    lines += ["", NOTES] + [f"warning: {w}" for w in result.warnings]
+    return lines
+
+
+def plain_table(result: BenchResult) -> str:
+    """The summary and time-split tables as plain text (where rich is not installed, e.g. a bare GPU image)."""
+    lead = [result.spec.sweep.value] if result.spec.sweep is not Sweep.NONE else []
+    lines = [headline(result), ""] + _plain(lead + list(COLUMNS), table_rows(result))
+    lines += ["", NOTES, "", SPLIT_TITLE, ""] + _plain(lead + list(SPLIT_COLUMNS), split_rows(result))
+    lines += ["", SPLIT_NOTES] + [f"warning: {w}" for w in result.warnings]
     return "\n".join(lines)
 
 
@@ -170,6 +206,15 @@ def print_table(result: BenchResult, console) -> None:
         table.add_row(*row)
     console.print(table)
     console.print(NOTES, style="dim")
+    split = Table(title=SPLIT_TITLE, title_justify="left")
+    if result.spec.sweep is not Sweep.NONE:
+        split.add_column(result.spec.sweep.value, justify="right")
+    for i, col in enumerate(SPLIT_COLUMNS):
+        split.add_column(col, justify="left" if i == 0 else "right")
+    for row in split_rows(result):
+        split.add_row(*row)
+    console.print(split)
+    console.print(SPLIT_NOTES, style="dim")
     for w in result.warnings:
         console.print(f"warning: {w}", style="yellow")
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
 from hybrid_transfer.bench.spec import BenchSpec, Point
+from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import LayerKind, RankGeometry, load_preset
 from hybrid_transfer.plan.planner import Planner
 from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
@@ -129,20 +131,86 @@ class MemoryEstimate:
 
 
 PROCESS_BASE_BYTES = 320 << 20  # a rank process before its caches: Python, torch, NIXL, UCX (~240 MiB measured)
+CUDA_CONTEXT_BYTES = 640 << 20  # per rank process on its GPU: the CUDA context and torch's allocator slack
 
 
-def memory_estimate(spec: BenchSpec, ceiling: CeilingSizes) -> MemoryEstimate:
+def _buffer_bytes(spec: BenchSpec, ceiling: CeilingSizes) -> tuple[int, int, int]:
+    """(prefill rank, decode rank, decode rank's physical-limit copy) bytes of buffers, without the process base."""
     gp, gd = geometry(spec, True), geometry(spec, False)
     cache_p = gp.num_tensors * gp.page_bytes * pool_blocks(spec, True)
     cache_d = gd.num_tensors * gd.page_bytes * pool_blocks(spec, False)
     clone = 2 if spec.verify else 1  # check_destination_many builds the expected cache beside the real one
-    p = PROCESS_BASE_BYTES + cache_p + ceiling.slots * max(ceiling.src_slot_bytes)
-    # Ceiling slots, plus one request's bytes per source for the physical-limit copy (bench/ceiling.py).
-    d = PROCESS_BASE_BYTES + cache_d * clone + (ceiling.slots + 1) * max(ceiling.dst_slot_bytes)
+    p = cache_p + ceiling.slots * max(ceiling.src_slot_bytes)
+    d = cache_d * clone + ceiling.slots * max(ceiling.dst_slot_bytes)
+    copy = max(ceiling.dst_slot_bytes)  # one request's bytes per source for the physical-limit copy (ceiling.py)
     if spec.mode in (PlanMode.PACK, PlanMode.AUTO):  # staging pools exist in these modes only
         p += staging_bytes(spec, True)
         d += staging_bytes(spec, False)
+    return p, d, copy
+
+
+def memory_estimate(spec: BenchSpec, ceiling: CeilingSizes) -> MemoryEstimate:
+    p, d, copy = _buffer_bytes(spec, ceiling)
+    p += PROCESS_BASE_BYTES
+    d += PROCESS_BASE_BYTES + copy
     return MemoryEstimate(p, d, p * spec.prefill_tp + d * spec.decode_tp)
+
+
+def device_bytes(spec: BenchSpec, ceiling: CeilingSizes) -> dict[int, int]:
+    """GPU index -> bytes the rank processes allocate on it (--device cuda): caches, the verification copy,
+    ceiling slots, pack staging, each process's CUDA context; a decode rank's physical-limit copy buffers lie
+    on its sources' GPU."""
+    p, d, copy = _buffer_bytes(spec, ceiling)
+    out: dict[int, int] = {}
+    for r in range(spec.prefill_tp):
+        g = spec.gpu_of(True, r)
+        out[g] = out.get(g, 0) + p + CUDA_CONTEXT_BYTES
+    for r in range(spec.decode_tp):
+        g = spec.gpu_of(False, r)
+        out[g] = out.get(g, 0) + d + CUDA_CONTEXT_BYTES
+        src = spec.gpu_of(True, Topology(spec.prefill_tp, spec.decode_tp, r).sources[0])
+        out[src] = out.get(src, 0) + copy
+    return out
+
+
+def fitting_requests(spec: BenchSpec, fits) -> int:
+    """The most requests (at most ``spec.requests``) for which ``fits(spec with that many)`` holds; 0 if none."""
+    lo, hi = 0, spec.requests
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        trial = msgspec.structs.replace(spec, requests=mid)
+        if fits(trial):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def check_device_memory(spec: BenchSpec, capacity_bytes: dict[int, int], headroom: float) -> None:
+    """Refuse a --device cuda run whose buffers cannot fit its GPUs, before any process allocates.
+
+    Raises:
+        ConfigError: names the GPU, its need and capacity, the largest point's tokens and the
+            --requests that would fit.
+    """
+    def over(trial: BenchSpec) -> list[tuple[int, int, int]]:
+        need = device_bytes(trial, ceiling_sizes(trial))
+        return [(g, n, capacity_bytes[g]) for g, n in sorted(need.items())
+                if g in capacity_bytes and n > headroom * capacity_bytes[g]]
+
+    bad = over(spec)
+    if not bad:
+        return
+    g, need, cap = bad[0]
+    most = max(p.tokens for p in spec.points)
+    best = fitting_requests(spec, lambda t: not over(t))
+    hint = (f"use --requests {best} (or fewer --tokens, or spread ranks with --prefill-gpus / --decode-gpus)"
+            if best else "no --requests fits: use fewer --tokens, drop --verify, or spread ranks over more GPUs")
+    raise ConfigError(
+        f"GPU {g} would hold about {need / 2**30:.1f} GiB ({spec.requests} requests of {most:,} tokens on each side"
+        f"{', with --verify' if spec.verify else ''}, ceiling and copy buffers, one CUDA context per rank), "
+        f"more than {headroom:.0%} of its {cap / 2**30:.1f} GiB: {hint}",
+        field="requests", value=spec.requests)
 
 
 def available_host_bytes() -> int | None:

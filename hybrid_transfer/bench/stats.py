@@ -24,6 +24,9 @@ class RequestTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     t_notify: the consumer's clock when it saw DONE and notified (ReadResult.finished_at);
     t_done: when the poll that reported DONE returned: the bytes are in place, producers told.
     completion_s: this request's share of that poll call.
+    t_read_done: when every READ of the request was seen DONE (the engine's posted_at + read_s; the
+    ceiling and the copy: t_done). 0.0 when unknown. Between it and t_done lie pack's scatter and the
+    wait for the producers' claim confirmations.
     """
 
     request_id: str
@@ -41,6 +44,19 @@ class RequestTiming(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     scatter_s: float = 0.0
     packed_sources: int = 0
     fallback_sources: int = 0
+    t_read_done: float = 0.0
+
+    @property
+    def read_s(self) -> float:
+        """start_read returned -> every READ DONE (0 when unknown; clamped into [t_posted, t_done])."""
+        if self.t_read_done <= 0.0:
+            return 0.0
+        return min(max(self.t_read_done, self.t_posted), self.t_done) - self.t_posted
+
+    @property
+    def settle_s(self) -> float:
+        """Every READ DONE -> reported DONE: pack's scatter and the wait for claim confirmations."""
+        return self.t_done - self.t_posted - self.read_s
 
 
 class ConsumerRun(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -98,6 +114,12 @@ class VariantStats:
     fallback_sources: int = 0  # pack / auto sources read directly after all (staging absent or full)
     verified: bool = False
     gbps_rounds: tuple[float, ...] = ()  # every round's GB/s, in round order (the figures are the median round's)
+    # The time split per (decode rank, request), medians: post_ms, then read_ms (post returned -> every READ
+    # DONE), then settle_ms (READs DONE -> reported DONE: scatter, claim confirmations); CPU per request.
+    read_ms: float | None = None
+    settle_ms: float | None = None
+    consumer_cpu_ms_per_request: float = 0.0  # decode processes' CPU seconds / (decode rank, request) pairs
+    producer_cpu_ms_per_request: float = 0.0  # prefill processes' CPU seconds / (prefill rank, request) pairs
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -167,6 +189,8 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
     pieces = _per_request_sums([p.pieces for p in plans])
     holds = [s for sv in serves for s in sv.hold_s]
     packed = [t for t in timings if t.packed_sources]
+    read = [t for t in timings if t.t_read_done > 0.0]
+    num_requests = len(per_request)
     return VariantStats(
         variant=variant,
         requests=len(per_request),
@@ -191,6 +215,11 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
         scatter_ms=median(t.scatter_s for t in packed) * 1e3 if packed else None,
         packed_sources=sum(t.packed_sources for t in timings),
         fallback_sources=sum(t.fallback_sources for t in timings),
+        read_ms=median(t.read_s for t in read) * 1e3 if read else None,
+        settle_ms=median(t.settle_s for t in read) * 1e3 if read else None,
+        consumer_cpu_ms_per_request=sum(r.cpu_s for r in runs) / len(timings) * 1e3,
+        producer_cpu_ms_per_request=(sum(s.cpu_s for s in serves) / (num_requests * len(serves)) * 1e3
+                                     if serves else 0.0),
     )
 
 

@@ -28,7 +28,6 @@ from hybrid_transfer.errors import BenchError, ConfigError
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.002  # wait for the next command between rounds of polling
-SERVE_POLL_S = 0.001  # producer poll interval in a timed window: bounds the notification lag, costs CPU
 STOP_GRACE_S = 10.0  # after Stop, how long a prefill rank still waits for outstanding frees
 
 
@@ -141,7 +140,12 @@ def hold(rank: _Rank, cmd: m.Hold) -> m.Reply:
 
 
 def serve(rank: _Rank, cmd: m.Serve) -> m.Reply:
-    """A prefill rank's timed window: poll until every request is freed and the coordinator says Stop."""
+    """A prefill rank's timed window: poll until every request is freed and the coordinator says Stop.
+
+    Each claim confirmation and Staged notification a consumer waits on passes through this loop, so
+    with a core per rank it spins like the decode ranks (a fixed 1 ms sleep added up to 1 ms to every
+    request's latency); on a contended host it sleeps ``serve_sleep_s`` (coordinator.py says why).
+    """
     cpu0 = time.process_time()
     stop_at = None
     pending = set(cmd.request_ids)
@@ -155,7 +159,7 @@ def serve(rank: _Rank, cmd: m.Serve) -> m.Reply:
             stop_at = time.monotonic() + STOP_GRACE_S
         if stop_at is not None and (not pending or time.monotonic() >= stop_at):
             break
-        time.sleep(SERVE_POLL_S)
+        _wait(rank.setup.serve_sleep_s)
     cpu_s = time.process_time() - cpu0
     freed = {rid: rank.freed.pop(rid) for rid in cmd.request_ids if rid in rank.freed}
     return m.Served(ProducerServe(rank.setup.tp_rank, freed, cpu_s))
@@ -219,7 +223,8 @@ def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
             timings.append(RequestTiming(
                 r.request_id, t0, t1, r.finished_at, c1, payload, r.num_descriptors, (c1 - c0) / len(results),
                 gather_s=r.gather_s, query_s=r.query_s, scatter_s=r.scatter_s,
-                packed_sources=r.num_packed_sources, fallback_sources=r.num_fallback_sources))
+                packed_sources=r.num_packed_sources, fallback_sources=r.num_fallback_sources,
+                t_read_done=r.posted_at + r.read_s if r.read_s > 0 else 0.0))
     return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
 
 
@@ -324,7 +329,8 @@ def run_ceiling(rank: _Rank, cmd: m.RunCeiling) -> m.Reply:
             for h in handles:
                 ceiling.agent.release(h)
             free_slots.append(slot)
-            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(handles), (c1 - c0) / len(finished)))
+            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(handles), (c1 - c0) / len(finished),
+                                         t_read_done=c1))
     return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
 
 
@@ -374,7 +380,8 @@ def run_copy(rank: _Rank, cmd: m.RunCopy) -> m.Reply:
         for rid in finished:
             t0, t1, slot, _ = in_flight.pop(rid)
             free_slots.append(slot)
-            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(lengths), (c1 - c0) / len(finished)))
+            timings.append(RequestTiming(rid, t0, t1, c1, c1, num_bytes, len(lengths), (c1 - c0) / len(finished),
+                                         t_read_done=c1))
     return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
 
 

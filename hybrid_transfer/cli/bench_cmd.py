@@ -61,7 +61,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per request whose KV moves (the GDN state moves too when N > 0)")
     parser.add_argument("--requests", type=int, default=d.requests, metavar="R",
                         help="timed requests per variant; each has its own blocks on both sides, so the caches "
-                             "hold R requests")
+                             "hold R requests (a token sweep sizes each point's caches to its tokens, the same R at "
+                             "every point, so its largest point decides what fits). Long contexts: every request costs its bytes up to six times over (prefill "
+                             "and decode caches, --verify's expected copy, the ceiling and copy buffers); qwen3.5-"
+                             "397b-a17b P2 -> D8 at 131072 tokens is ~19 GB per request summed over ranks, so one "
+                             "H200 (all ranks on GPU 0) fits --requests 1 with --verify (about 75 GiB coalesced, "
+                             "94 GiB pack), 2 coalesced without it. The bench refuses a count that cannot fit, before "
+                             "allocating, and names the count that would")
     parser.add_argument("--concurrency", type=int, default=d.concurrency, metavar="C",
                         help="requests in flight per decode rank")
     parser.add_argument("--fragmentation", type=float, default=d.fragmentation, metavar="F",
@@ -112,7 +118,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="write the figures as JSON (one object; a sweep lists its points)")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
-                        help="write a PNG of GB/s: against the swept value, or bars without --sweep")
+                        help="write a PNG of GB/s: against the swept value, or bars without --sweep; --sweep tokens "
+                             "adds READ descriptors per decode rank and plan ms per request (log token axis)")
     parser.set_defaults(handler=run)
 
 

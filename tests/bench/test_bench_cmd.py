@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -97,3 +98,33 @@ def test_bad_flags_exit_with_the_field_named(tmp_path):
     assert proc.returncode == 2 and "decode_tp" in proc.stderr
     proc, _ = _bench(tmp_path, "--kv-layout", "HND")
     assert proc.returncode == 2 and "--kv-layout" in proc.stderr
+
+
+def test_token_sweep_reports_each_point_its_time_split_and_plots_it(tmp_path):
+    plot = tmp_path / "tokens.png"
+    proc, out = _bench(tmp_path, "--sweep", "tokens", "--sweep-values", "64,600", "--requests", "2",
+                       "--concurrency", "2", "--warmup", "1", "--rounds", "1", "--verify", "--plot", str(plot))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["sweep"] == "tokens" and doc["sweep_values"] == [64, 600]
+    assert [p["tokens"] for p in doc["points"]] == [64, 600] and doc["verified"] is True
+    assert doc["points"][1]["payload_bytes_per_request"] > doc["points"][0]["payload_bytes_per_request"]
+    for point in doc["points"]:
+        for name, v in point["variants"].items():
+            assert v["read_ms"] is not None and v["settle_ms"] is not None, name
+            assert 0 <= v["read_ms"] <= v["p50_ms"] and v["settle_ms"] >= 0, name
+            assert v["post_ms"] <= v["p99_ms"] and v["consumer_cpu_ms_per_request"] >= 0, name
+        assert point["ceiling_settle_ms"] == 0.0  # one READ and nothing after it
+        assert point["plan_ms"] > 0 and point["producer_cpu_ms_per_request"] >= 0
+    assert "time split" in proc.stdout and "read ms" in proc.stdout
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_request_count_the_host_cannot_hold_is_refused_before_any_process_starts(tmp_path):
+    proc, out = _bench(tmp_path, "--preset", "qwen3.5-397b-a17b", "--tokens", "16384", "--requests", "512",
+                       "--verify")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "GiB are available" in proc.stderr and "prefill rank" in proc.stderr and "decode rank" in proc.stderr
+    hint = re.search(r"use --requests (\d+)", proc.stderr)  # the count that fits this host, when one does
+    assert hint is not None and 1 <= int(hint.group(1)) < 512, proc.stderr
+    assert not out.exists()

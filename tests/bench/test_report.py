@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from hybrid_transfer.bench.coordinator import BenchResult, PointResult
 from hybrid_transfer.bench.plot import write_plot
-from hybrid_transfer.bench.report import COLUMNS, plain_table, point_record, table_rows, to_json
+from hybrid_transfer.bench.report import (
+    COLUMNS,
+    SPLIT_COLUMNS,
+    SPLIT_TITLE,
+    plain_table,
+    point_record,
+    split_rows,
+    table_rows,
+    to_json,
+)
 from hybrid_transfer.bench.sizing import MemoryEstimate
 from hybrid_transfer.bench.spec import BenchSpec, Point, Sweep
 from hybrid_transfer.bench.stats import VariantStats
@@ -96,3 +106,21 @@ def test_plot_writes_a_png(tmp_path, sweep):
     path = tmp_path / "plot.png"
     write_plot(_result(spec, list(spec.points)), path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_time_split_table_and_json_carry_the_split_per_variant():
+    spec = BenchSpec(sweep=Sweep.TOKENS, sweep_values=(64.0, 128.0))
+    result = _result(spec, list(spec.points))
+    for p in result.points:  # the chosen mode reads in 0.5 ms and settles in 0.3 ms; the others never said
+        st = p.stats["coalesced"]
+        p.stats["coalesced"] = dataclasses.replace(st, read_ms=0.5, settle_ms=0.3, consumer_cpu_ms_per_request=0.7,
+                                                   producer_cpu_ms_per_request=0.1)
+    rows = split_rows(result)
+    assert len(rows) == 8 and all(len(r) == len(SPLIT_COLUMNS) + 1 for r in rows)
+    assert rows[0][:6] == ["64", "coalesced*", "0.100", "0.200", "0.500", "0.300"]
+    assert rows[0][-1] == "0.700 / 0.100" and rows[1][4] == "-"
+    text = plain_table(result)
+    assert SPLIT_TITLE in text and "read ms" in text and "settle ms" in text
+    point = to_json(result)["points"][0]
+    assert (point["read_ms"], point["settle_ms"]) == (0.5, 0.3)
+    assert point["consumer_cpu_ms_per_request"] == 0.7 and point["naive_read_ms"] is None

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from hybrid_transfer.bench import sizing
 from hybrid_transfer.bench.spec import BenchSpec, Point, Sweep
+from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.plan.planner import Planner
 from hybrid_transfer.plan.scenario import fake_engine
 
@@ -82,3 +84,60 @@ def test_pack_adds_each_sides_staging_pool():
     assert b.decode_rank_bytes - a.decode_rank_bytes == sizing.staging_bytes(pack, False)
     # A producer stages every request it holds, a consumer only those in flight.
     assert sizing.staging_bytes(pack, True) > sizing.staging_bytes(pack, False)
+
+
+def _long(requests: int, **kw) -> BenchSpec:
+    return BenchSpec(preset="qwen3.5-397b-a17b", prefill_tp=2, decode_tp=8, tokens=131072, requests=requests,
+                     concurrency=1, verify=True, **kw).validate()
+
+
+def test_device_bytes_put_every_rank_on_its_gpu_and_grow_with_requests():
+    one, two = _long(1), _long(2)
+    n1 = sizing.device_bytes(one, sizing.ceiling_sizes(one))
+    n2 = sizing.device_bytes(two, sizing.ceiling_sizes(two))
+    assert set(n1) == {0} and n2[0] > n1[0]
+    # Each request's bytes sit at least in the prefill and the decode caches of its GPU.
+    per_request = sum(sum(d.values()) for d in sizing.source_bytes(one, 131072))
+    assert n2[0] - n1[0] >= 2 * per_request
+    split = _long(1, prefill_gpus=(0,), decode_gpus=(1,))
+    placed = sizing.device_bytes(split, sizing.ceiling_sizes(split))
+    assert set(placed) == {0, 1} and sum(placed.values()) == n1[0]
+
+
+def test_a_request_count_that_cannot_fit_a_gpu_is_refused_with_the_figures():
+    spec = _long(4)
+    capacity = {0: 139 * 2**30}
+    with pytest.raises(ConfigError) as info:
+        sizing.check_device_memory(spec, capacity, 0.92)
+    message = str(info.value)
+    need = sizing.device_bytes(spec, sizing.ceiling_sizes(spec))[0]
+    assert f"{need / 2**30:.1f} GiB" in message and "139.0 GiB" in message and "131,072 tokens" in message
+    best = sizing.fitting_requests(spec, lambda t: sizing.device_bytes(t, sizing.ceiling_sizes(t))[0]
+                                   <= 0.92 * capacity[0])
+    assert 1 <= best < 4 and f"--requests {best}" in message
+    assert info.value.field == "requests" and info.value.value == 4
+    sizing.check_device_memory(msgspec.structs.replace(spec, requests=best), capacity, 0.92)  # that one fits
+    with pytest.raises(ConfigError, match="no --requests fits"):
+        sizing.check_device_memory(spec, {0: 2**30}, 0.92)
+
+
+def test_a_token_sweep_is_sized_for_its_largest_point():
+    sweep = BenchSpec(preset="qwen3.5-397b-a17b", tokens=8192, requests=2, sweep=Sweep.TOKENS,
+                      sweep_values=(8192.0, 32768.0)).validate()
+    largest = BenchSpec(preset="qwen3.5-397b-a17b", tokens=32768, requests=2).validate()
+    assert sizing.device_bytes(sweep, sizing.ceiling_sizes(sweep)) == \
+        sizing.device_bytes(largest, sizing.ceiling_sizes(largest))
+
+
+def test_each_point_of_a_token_sweep_gets_pools_sized_to_its_tokens():
+    from hybrid_transfer.bench.coordinator import point_spec
+
+    spec = BenchSpec(preset="qwen3.5-397b-a17b", tokens=8192, requests=2, sweep=Sweep.TOKENS,
+                     sweep_values=(8192.0, 131072.0)).validate()
+    small, large = (point_spec(spec, p) for p in spec.points)
+    assert (small.tokens, large.tokens) == (8192, 131072) and small.sweep is Sweep.NONE
+    for is_prefill in (True, False):
+        assert sizing.pool_blocks(large, is_prefill) == sizing.pool_blocks(spec, is_prefill)
+        assert sizing.pool_blocks(small, is_prefill) < sizing.pool_blocks(spec, is_prefill) // 8
+    layouts = sizing.layouts(small, spec.points[0], 0)[0]  # ids fit the small point's own pool
+    assert max(b for layout in layouts for g in layout.block_ids for b in g) < sizing.pool_blocks(small, True)

@@ -129,3 +129,30 @@ def test_pack_figures_come_from_packed_requests_only():
     assert (s.packed_sources, s.fallback_sources) == (2, 1)
     plain = summarize("coalesced", [ConsumerRun(0, (_t("c", 0.0, 1.0),), 0.0)])
     assert plain.gather_ms is None and plain.packed_sources == 0
+
+
+def test_time_split_adds_up_to_each_requests_latency():
+    # post 1 ms; READs seen done at 5 ms / 9 ms after the post; DONE at 6 / 12 ms (claims, scatter in between).
+    a = RequestTiming("a", 1.0, 1.001, 1.006, 1.006, 100, 3, t_read_done=1.005)
+    b = RequestTiming("b", 1.0, 1.001, 1.012, 1.012, 100, 3, t_read_done=1.009)
+    for t in (a, b):
+        assert t.read_s >= 0 and t.settle_s >= 0
+        assert (t.t_posted - t.t_post) + t.read_s + t.settle_s == pytest.approx(t.t_done - t.t_post)
+    assert (a.read_s, a.settle_s) == pytest.approx((0.004, 0.001))
+    runs = [ConsumerRun(0, (a, b), cpu_s=0.004)]
+    s = summarize("coalesced", runs, [ProducerServe(0, {"a": 1.007, "b": 1.013}, cpu_s=0.001),
+                                      ProducerServe(1, {"a": 1.007, "b": 1.013}, cpu_s=0.003)])
+    assert s.read_ms == pytest.approx(6.0) and s.settle_ms == pytest.approx(2.0)  # medians of (4, 8), (1, 3)
+    assert s.read_ms <= s.p50_ms
+    assert s.consumer_cpu_ms_per_request == pytest.approx(2.0)  # 4 ms over one rank's two requests
+    assert s.producer_cpu_ms_per_request == pytest.approx(1.0)  # 4 ms over two ranks x two requests
+
+
+def test_time_split_clamps_and_reports_unknown_reads_as_none():
+    # A READ seen done before start_read returned (the copy ran inside the post) counts as 0 read time.
+    early = RequestTiming("a", 1.0, 1.003, 1.004, 1.004, 100, 3, t_read_done=1.002)
+    assert early.read_s == 0.0 and early.settle_s == pytest.approx(0.001)
+    unknown = RequestTiming("b", 1.0, 1.001, 1.004, 1.004, 100, 3)
+    assert unknown.read_s == 0.0
+    s = summarize("coalesced", [ConsumerRun(0, (unknown,), cpu_s=0.0)])
+    assert s.read_ms is None and s.settle_ms is None
