@@ -137,11 +137,13 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     @property
     def variants(self) -> tuple[Variant, ...]:
-        """Timed phases per point: the chosen mode, naive (unless it is the chosen one), the ceiling, the copy."""
+        """Timed phases per point: the chosen mode, coalesced beside pack and auto (the direct path they must
+        beat in the same run), naive (unless it is the chosen one), the ceiling, the copy."""
         chosen = Variant(self.mode.value)
         if chosen is Variant.NAIVE:
             return (chosen, Variant.CEILING, Variant.COPY)
-        return (chosen, Variant.NAIVE, Variant.CEILING, Variant.COPY)
+        direct = (Variant.COALESCED,) if chosen in (Variant.PACK, Variant.AUTO) else ()
+        return (chosen, *direct, Variant.NAIVE, Variant.CEILING, Variant.COPY)
 
     def round_order(self, round_index: int) -> tuple[Variant, ...]:
         """Variants of one round, rotated each round so no variant always runs first (or last)."""

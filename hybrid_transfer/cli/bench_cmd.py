@@ -73,9 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--fragmentation", type=float, default=d.fragmentation, metavar="F",
                         help="share of block ids replaced by random ones, both sides (0: contiguous, 1: shuffled)")
     parser.add_argument("--mode", choices=[m.value for m in PlanMode], default=d.mode.value,
-                        help="plan mode measured beside naive and the ceiling: coalesced (merge contiguous "
-                             "ranges), naive, pack (gather / one READ / scatter) or auto (cost model); pack and "
-                             "auto need engine support")
+                        help="plan mode measured beside naive, the ceiling and the copy: coalesced (merge "
+                             "contiguous ranges), naive, pack (gather / one READ / scatter) or auto (cost model); "
+                             "pack and auto are also measured against coalesced in the same run")
     parser.add_argument("--device", choices=[x.value for x in Device], default=d.device.value,
                         help="where caches live: cpu (DRAM) or cuda (each rank on its GPU; needs "
                              "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, set for the ranks when unset)")

@@ -44,10 +44,12 @@ def test_unknown_preset_lists_the_shipped_ones():
     assert "qwen3.5-0.8b" in info.value.known
 
 
-def test_variants_always_include_naive_and_ceiling_once():
+def test_variants_always_include_naive_and_ceiling_once_and_coalesced_beside_pack_and_auto():
     assert BenchSpec().variants == (Variant.COALESCED, Variant.NAIVE, Variant.CEILING, Variant.COPY)
     assert BenchSpec(mode=PlanMode.NAIVE).variants == (Variant.NAIVE, Variant.CEILING, Variant.COPY)
-    assert BenchSpec(mode=PlanMode.PACK).variants == (Variant.PACK, Variant.NAIVE, Variant.CEILING, Variant.COPY)
+    assert BenchSpec(mode=PlanMode.PACK).variants == (Variant.PACK, Variant.COALESCED, Variant.NAIVE, Variant.CEILING,
+                                                      Variant.COPY)
+    assert BenchSpec(mode=PlanMode.AUTO).variants[:2] == (Variant.AUTO, Variant.COALESCED)
     assert Variant.CEILING.plan_mode is None and Variant.COPY.plan_mode is None and Variant.AUTO.plan_mode is PlanMode.AUTO
 
 
