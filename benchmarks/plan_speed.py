@@ -18,6 +18,7 @@ from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block
 from hybrid_transfer.plan.types import PlanMode
 
 _NUM_REQUESTS = 16  # distinct block-id sets cycled through, so no run times one cached request
+_LONG = 131_072  # the long-context pack row
 
 
 def measure(preset: str, p: int, d: int, num_tokens: int, fragmentation: float, mode: PlanMode, repeats: int,
@@ -68,6 +69,13 @@ def main() -> None:
                 med, p90, desc = measure(args.preset, p, d, args.tokens, fragmentation, mode, args.repeats,
                                          not args.no_validate)
                 print(f"{f'P{p}->D{d}':>9} {label:>11} {mode.value:>10} {desc:>11} {med:>10.1f} {p90:>8.1f}")
+    # Pack: the path the engine runs for many small rows (docs/planner.md#pack); descriptors = read ranges.
+    for p, d, tokens in ((2, 8, args.tokens), (1, 1, args.tokens), (2, 8, _LONG)):
+        for fragmentation, label in ((0.0, "contiguous"), (1.0, "fragmented")):
+            med, p90, desc = measure(args.preset, p, d, tokens, fragmentation, PlanMode.PACK, args.repeats,
+                                     not args.no_validate)
+            print(f"{f'P{p}->D{d}':>9} {label:>11} {'pack':>10} {desc:>11} {med:>10.1f} {p90:>8.1f}"
+                  f"{'' if tokens == args.tokens else f'  ({tokens} tokens)'}")
 
 
 if __name__ == "__main__":

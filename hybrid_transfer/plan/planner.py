@@ -16,6 +16,7 @@ from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
+from hybrid_transfer.plan.pack import PackRecipe, pack_recipe
 from hybrid_transfer.plan.pieces import Recipe, SegmentFrame, naive_token_end, recipe, segment_frame
 from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
 from hybrid_transfer.plan.stage_layout import map_rows, stage_layout
@@ -100,6 +101,7 @@ class Planner:
         self._gdn_groups = np.array([i for i, g in enumerate(groups) if g.kind is LayerKind.GDN], dtype=np.int64)
         self._frames: dict[int, SegmentFrame] = {}
         self._recipes: dict[tuple, Recipe] = {}  # per request shape (token end, mode, list lengths)
+        self._packs: dict[tuple, PackRecipe] = {}  # per request shape and source index
         self._kv, self._state = stack_templates(self.templates)
         # [tensor, source index]: each source's base address of each shared tensor.
         self._remote_base = np.stack([t.tensor_addrs for t in self.templates], axis=1)
@@ -215,10 +217,8 @@ class Planner:
             frame = self._frames[token_end] = segment_frame(token_end, self.local, self.remote)
         return frame
 
-    def _recipe(self, token_end: int, naive: bool, local_ids: list[np.ndarray],
-                remote_ids: list[np.ndarray]) -> Recipe:
-        local_lens = tuple(a.shape[0] for a in local_ids)
-        remote_lens = tuple(a.shape[0] for a in remote_ids)
+    def _recipe(self, token_end: int, naive: bool, local_lens: tuple[int, ...],
+                remote_lens: tuple[int, ...]) -> Recipe:
         key = (token_end, naive, local_lens, remote_lens)
         rec = self._recipes.get(key)
         if rec is None:
@@ -228,6 +228,17 @@ class Planner:
                                               self._gdn_groups, local_lens, remote_lens, naive)
         return rec
 
+    def _pack(self, rec: Recipe, index: int, num_tokens: int, local_lens: tuple[int, ...],
+              remote_lens: tuple[int, ...]) -> PackRecipe:
+        key = (num_tokens, local_lens, remote_lens, index)
+        pack = self._packs.get(key)
+        if pack is None:
+            if len(self._packs) >= _FRAME_CACHE_SIZE:
+                self._packs.pop(next(iter(self._packs)))
+            pack = self._packs[key] = pack_recipe(rec, index, self.templates[index], self._local_base,
+                                                  self._local_page, self._remote_page, remote_lens, num_tokens)
+        return pack
+
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
                        flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
         """Pieces of every source at once (the shape's cached recipe over ``flat_*``, the id lists concatenated),
@@ -235,7 +246,9 @@ class Planner:
         naive = mode is PlanMode.NAIVE
         # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
         token_end = naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens
-        rec = self._recipe(token_end, naive, local_ids, remote_ids)
+        local_lens = tuple(a.shape[0] for a in local_ids)
+        remote_lens = tuple(a.shape[0] for a in remote_ids)
+        rec = self._recipe(token_end, naive, local_lens, remote_lens)
         pieces = rec.pieces(flat_l, flat_r, self._local_page, self._remote_page)
         rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
         num_sources = len(self.templates)
@@ -259,7 +272,8 @@ class Planner:
             cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
             direct = SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id)
             if mode is PlanMode.PACK or (mode is PlanMode.AUTO and cost.choose(direct.num_descriptors, direct.total_bytes) is PlanMode.PACK):
-                out.append(to_pack(direct, tpl, remote_ids, num_tokens))
+                pack = self._pack(rec, i, num_tokens, local_lens, remote_lens)
+                out.append(pack.pack(direct, flat_l, flat_r))
             else:
                 out.append(direct)
         return tuple(out)
@@ -280,6 +294,9 @@ def to_pack(direct: SourcePlan, tpl: SourceTemplate, remote_block_ids: Sequence[
             num_tokens: int) -> PackSourcePlan:
     """Pack form of one source's direct rows: the source's canonical staging of the request, and this
     rank's read ranges and scatter pieces against it (plan/stage_layout.py).
+
+    The planner builds the same plan from a per-shape PackRecipe (plan/pack.py); this is the
+    reference it is tested against.
 
     Raises:
         PlanError: the rows reach bytes the source's layout does not stage (a bug on one side).

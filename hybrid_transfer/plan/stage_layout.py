@@ -79,6 +79,26 @@ class StagedRead:
         return int(self.length.sum())
 
 
+@dataclass(frozen=True)
+class StageShape:
+    """The canonical layout of one request shape on one producer rank, block ids left out.
+
+    Atom i sits at ``flat_ids[sel[i]] * page_bytes + const[i]``, ``flat_ids`` being the request's
+    block-id lists concatenated in group order; lengths and staging offsets depend on the shape
+    only, so a planner builds this once per shape (docs/planner.md#per-request-cost).
+    """
+
+    sel: np.ndarray
+    const: np.ndarray
+    length: np.ndarray
+    offset: np.ndarray
+    page_bytes: int
+
+    def layout(self, flat_ids: np.ndarray) -> StageLayout:
+        """The layout of one request of this shape (``flat_ids``: int64, its lists concatenated)."""
+        return StageLayout(flat_ids[self.sel] * self.page_bytes + self.const, self.length, self.offset)
+
+
 def stage_layout(geometry: RankGeometry, tensor_addrs: Sequence[int], block_ids: Sequence[Sequence[int]],
                  num_tokens: int) -> StageLayout:
     """The canonical layout of one request on one producer rank (see the module docstring).
@@ -88,61 +108,86 @@ def stage_layout(geometry: RankGeometry, tensor_addrs: Sequence[int], block_ids:
     """
     if num_tokens <= 0:
         return StageLayout(_EMPTY, _EMPTY, _EMPTY)
+    arrays = [np.asarray(ids, dtype=np.int64) for ids in block_ids]
+    shape = stage_shape(geometry, tensor_addrs, [a.shape[0] for a in arrays], num_tokens)
+    return shape.layout(np.concatenate(arrays) if arrays else _EMPTY)
+
+
+def stage_shape(geometry: RankGeometry, tensor_addrs: Sequence[int], list_lens: Sequence[int],
+                num_tokens: int) -> StageShape:
+    """``stage_layout``'s shape-only part: ``list_lens`` is each group's block-id list length.
+
+    Raises:
+        PlanError: as ``stage_layout``.
+    """
+    if num_tokens <= 0:
+        return StageShape(_EMPTY, _EMPTY, _EMPTY, _EMPTY, geometry.page_bytes)
     base = np.asarray(tensor_addrs, dtype=np.int64)
     if base.shape[0] != geometry.num_tensors:
         raise PlanError(f"{base.shape[0]} tensor addresses for {geometry.num_tensors} tensors",
                         num_addrs=base.shape[0], num_tensors=geometry.num_tensors)
     groups = geometry.tensor_map.groups
-    if len(block_ids) != len(groups):
-        raise PlanError(f"{len(block_ids)} block lists for {len(groups)} cache groups", num_lists=len(block_ids))
-    attn = [np.asarray(ids, dtype=np.int64) for g, ids in zip(groups, block_ids, strict=True)
-            if g.kind is LayerKind.ATTENTION]
-    gdn = [np.asarray(ids, dtype=np.int64) for g, ids in zip(groups, block_ids, strict=True)
-           if g.kind is LayerKind.GDN]
-    kv_addr, kv_len = _kv_atoms(geometry, base, attn, num_tokens)
-    st_addr, st_len = _state_atoms(geometry, base, gdn)
-    addr = np.concatenate((kv_addr, st_addr))
+    if len(list_lens) != len(groups):
+        raise PlanError(f"{len(list_lens)} block lists for {len(groups)} cache groups", num_lists=len(list_lens))
+    start = np.concatenate(([0], np.cumsum(list_lens, dtype=np.int64)[:-1])).astype(np.int64)
+    attn = [(int(start[i]), int(list_lens[i])) for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION]
+    gdn = [(int(start[i]), int(list_lens[i])) for i, g in enumerate(groups) if g.kind is LayerKind.GDN]
+    kv_sel, kv_const, kv_len = _kv_atoms(geometry, base, attn, num_tokens)
+    st_sel, st_const, st_len = _state_atoms(geometry, base, gdn)
     length = np.concatenate((kv_len, st_len))
     offset = np.zeros_like(length)
     np.cumsum(length[:-1], out=offset[1:])
-    return StageLayout(addr, length, offset)
+    return StageShape(np.concatenate((kv_sel, st_sel)), np.concatenate((kv_const, st_const)), length, offset,
+                      geometry.page_bytes)
 
 
-def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[np.ndarray], n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Shape (head slot, group, tensor, half, kernel block), flattened; the half axis has length 1 in interleaved."""
+def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[tuple[int, int]],
+              n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Shape (head slot, group, tensor, half, kernel block), flattened; the half axis has length 1 in interleaved.
+
+    ``attn``: (position of the list's first id in the flat ids, list length) per attention group.
+    """
     if not attn:
-        return _EMPTY, _EMPTY
+        return _EMPTY, _EMPTY, _EMPTY
     kb = g.kernel_block_size
     need = g.num_blocks_for_tokens(n)
-    for i, ids in enumerate(attn):
-        if ids.shape[0] < need:
-            raise PlanError(f"attention group {i} lists {ids.shape[0]} blocks, {n} tokens need {need}",
-                            group=i, num_blocks=int(ids.shape[0]), needed=need)
+    for i, (_, count) in enumerate(attn):
+        if count < need:
+            raise PlanError(f"attention group {i} lists {count} blocks, {n} tokens need {need}",
+                            group=i, num_blocks=count, needed=need)
     q = np.arange(-(-n // kb), dtype=np.int64)
     valid = np.minimum(kb, n - q * kb)
-    # [group, kernel block]: offset of the kernel block's K half, head slot 0, inside its tensor.
-    kblock = np.stack([ids[q // g.kernel_ratio] * g.page_bytes for ids in attn]) + (q % g.kernel_ratio) * \
-        g.kernel_block_bytes
+    # [group, kernel block]: the block's position in the flat ids; the kernel block's K half, head slot 0,
+    # sits at (q % ratio) kernel blocks into that block's page.
+    block = np.stack([first + q // g.kernel_ratio for first, _ in attn])
+    kconst = (q % g.kernel_ratio) * g.kernel_block_bytes
     heads = np.arange(g.num_kv_heads_local, dtype=np.int64) * g.kv_head_stride
     halves = np.arange(2 // g.kv_halves_per_run, dtype=np.int64) * g.kv_half_stride
-    addr = (heads[:, None, None, None, None] + kblock[None, :, None, None, :] + base[None, None, :, None, None]
-            + halves[None, None, None, :, None])
-    length = np.broadcast_to(valid * g.kv_token_stride, addr.shape)
-    return addr.ravel(), np.ascontiguousarray(length).ravel()
+    const = (heads[:, None, None, None, None] + kconst[None, None, None, None, :] + base[None, None, :, None, None]
+             + halves[None, None, None, :, None])
+    shape = (heads.shape[0], len(attn), base.shape[0], halves.shape[0], q.shape[0])
+    sel = np.broadcast_to(block[None, :, None, None, :], shape)
+    length = np.broadcast_to(valid * g.kv_token_stride, shape)
+    return np.ascontiguousarray(sel).ravel(), np.ascontiguousarray(np.broadcast_to(const, shape)).ravel(), \
+        np.ascontiguousarray(length).ravel()
 
 
-def _state_atoms(g: RankGeometry, base: np.ndarray, gdn: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def _state_atoms(g: RankGeometry, base: np.ndarray,
+                 gdn: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Shape (fine share, piece of the page, group, tensor), flattened."""
     if not gdn or not g.has_gdn:
-        return _EMPTY, _EMPTY
-    for i, ids in enumerate(gdn):
-        if ids.shape[0] != 1:
-            raise PlanError(f"GDN group {i} lists {ids.shape[0]} blocks, a request owns exactly one",
-                            group=i, num_blocks=int(ids.shape[0]))
-    blocks = np.concatenate(gdn) * g.page_bytes
+        return _EMPTY, _EMPTY, _EMPTY
+    for i, (_, count) in enumerate(gdn):
+        if count != 1:
+            raise PlanError(f"GDN group {i} lists {count} blocks, a request owns exactly one",
+                            group=i, num_blocks=count)
+    blocks = np.array([first for first, _ in gdn], dtype=np.int64)
     rel, length = _share_pieces(g)
-    addr = rel[:, :, None, None] + blocks[None, None, :, None] + base[None, None, None, :]
-    return addr.ravel(), np.ascontiguousarray(np.broadcast_to(length[:, :, None, None], addr.shape)).ravel()
+    shape = (rel.shape[0], rel.shape[1], blocks.shape[0], base.shape[0])
+    const = rel[:, :, None, None] + base[None, None, None, :]
+    return (np.ascontiguousarray(np.broadcast_to(blocks[None, None, :, None], shape)).ravel(),
+            np.ascontiguousarray(np.broadcast_to(const, shape)).ravel(),
+            np.ascontiguousarray(np.broadcast_to(length[:, :, None, None], shape)).ravel())
 
 
 def _share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
@@ -178,15 +223,32 @@ def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarra
     n = int(length.shape[0])
     if n == 0:
         return StagedRead(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
+    la = np.asarray(local_addr, dtype=np.int64)
+    ra = np.asarray(remote_addr, dtype=np.int64)
+    row, within, stage, plen = split_rows(layout, ra, np.asarray(length, dtype=np.int64))
+    dst = la[row] + within
+    remote_offset, local_offset, run_len = read_runs(stage, plen)
+    src = np.cumsum(plen) - plen  # local staging holds the runs back to back: dense in stage order
+    s_src, s_dst, s_len = merge_ranges(src, dst, plen)
+    return StagedRead(remote_offset, local_offset, run_len, s_src, s_dst, s_len)
+
+
+def split_rows(layout: StageLayout, ra: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
+                                                                               np.ndarray]:
+    """Rows (remote address ``ra``, length ``ln``) cut at atom boundaries, in staging order.
+
+    Returns (row, offset of the part in its row, staging offset, length) per part.
+
+    Raises:
+        PlanError: as ``map_rows``.
+    """
+    n = int(ln.shape[0])
     if layout.num_atoms == 0:
         raise PlanError("rows to read from a source that staged nothing", num_rows=n)
     order = np.argsort(layout.addr, kind="stable")
     a_addr = layout.addr[order]
     a_end = a_addr + layout.length[order]
     a_off = layout.offset[order]
-    ra = np.asarray(remote_addr, dtype=np.int64)
-    la = np.asarray(local_addr, dtype=np.int64)
-    ln = np.asarray(length, dtype=np.int64)
     first = np.searchsorted(a_addr, ra, side="right") - 1
     last = np.searchsorted(a_addr, ra + ln - 1, side="right") - 1
     bad = (ln <= 0) | (first < 0) | (ra >= a_end[np.maximum(first, 0)]) | (ra + ln > a_end[np.maximum(last, 0)])
@@ -206,16 +268,17 @@ def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarra
         raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) spans bytes the source does not stage",
                         row=i, remote_addr=int(ra[i]), length=int(ln[i]))
     stage = a_off[atom] + (start - a_addr[atom])
-    dst = la[row] + (start - ra[row])
-    plen = end - start
     by_stage = np.argsort(stage, kind="stable")
-    stage, dst, plen = stage[by_stage], dst[by_stage], plen[by_stage]
+    row, start, end, stage = row[by_stage], start[by_stage], end[by_stage], stage[by_stage]
+    plen = end - start
     if (stage[1:] < stage[:-1] + plen[:-1]).any():
         raise PlanError("two rows read the same staged bytes", num_rows=n)
+    return row, start - ra[row], stage, plen
+
+
+def read_runs(stage: np.ndarray, plen: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parts in staging order joined into maximal contiguous runs: (remote offset, local offset, length)."""
     new = np.concatenate(([True], stage[1:] != stage[:-1] + plen[:-1]))
     starts = np.flatnonzero(new)
     run_len = np.add.reduceat(plen, starts)
-    run_local = np.cumsum(run_len) - run_len
-    src = np.cumsum(plen) - plen  # local staging holds the runs back to back: dense in stage order
-    s_src, s_dst, s_len = merge_ranges(src, dst, plen)
-    return StagedRead(stage[starts], run_local, run_len, s_src, s_dst, s_len)
+    return stage[starts], np.cumsum(run_len) - run_len, run_len

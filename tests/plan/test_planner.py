@@ -17,10 +17,11 @@ from hybrid_transfer.layout import (
     model_from_config,
 )
 from hybrid_transfer.plan.pieces import naive_token_end
-from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.planner import Planner, to_pack
 from hybrid_transfer.plan.rank import RankDescriptor
 from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
-from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, SourcePlan
+from hybrid_transfer.plan.stage_layout import StagedRead
+from hybrid_transfer.plan.types import PackSourcePlan, PlanMode, ReadPlan, SourcePlan
 from hybrid_transfer.plan.validate import expected_bytes
 
 Q397 = "qwen3.5-397b-a17b"
@@ -444,6 +445,58 @@ def test_a_planner_reused_across_shapes_plans_as_a_fresh_one(mode):
     for local, remote, n in shapes + shapes[::-1]:
         _same_plan(reused.plan(local, remote, n, mode), Planner(model, consumers[3], producers).plan(
             local, remote, n, mode))
+
+
+def _same_pack(a, b) -> None:
+    assert [type(s) for s in a.sources] == [type(s) for s in b.sources]
+    assert all(isinstance(s, PackSourcePlan) for s in a.sources)
+    for x, y in zip(a.sources, b.sources, strict=True):
+        assert x.source_rank == y.source_rank
+        _same_plan(ReadPlan(0, PlanMode.PACK, (x.direct,), (), 0, 0), ReadPlan(0, PlanMode.PACK, (y.direct,), (), 0, 0))
+        for name in ("addr", "length", "offset"):
+            np.testing.assert_array_equal(getattr(x.layout, name), getattr(y.layout, name), err_msg=name)
+        for name in StagedRead.__dataclass_fields__:
+            np.testing.assert_array_equal(getattr(x.read, name), getattr(y.read, name), err_msg=name)
+
+
+@pytest.mark.parametrize("layout", [SPLIT, INTERLEAVED])
+@pytest.mark.parametrize(("p", "d"), [(2, 8), (1, 1), (8, 2)])
+def test_a_reused_planners_pack_plans_equal_a_fresh_ones_and_the_reference(layout, p, d):
+    """The pack recipe cache (per shape and source) gives, for every shape and id draw, what a fresh planner
+    gives and what mapping the direct rows onto the source's staging gives (``to_pack``)."""
+    model = load_preset(Q397)
+    producers, consumers = engines(model, p, d, pool=256, layout=layout)
+    rank = d - 1
+    reused = Planner(model, consumers[rank], producers)
+    requests = []
+    for seed, (n, frag) in enumerate(((5000, 1.0), (5000, 0.0), (3000, 1.0), (8192, 0.5), (5000, 1.0), (1, 0.0),
+                                      (17, 1.0))):
+        local, remote = request_ids(model, producers, consumers, n, frag, seed=seed)
+        if seed == 4:  # the consumer holds two blocks more than it needs in the attention group
+            spare = sorted(set(range(consumers[0].num_blocks)) - {b for g in local for b in g})[:2]
+            local = [list(local[0]) + spare] + [list(g) for g in local[1:]]
+        requests.append((local, remote, n))
+    for local, remote, n in requests + requests[::-1]:
+        got = reused.plan(local, remote, n, PlanMode.PACK)
+        fresh = Planner(model, consumers[rank], producers)
+        _same_pack(got, fresh.plan(local, remote, n, PlanMode.PACK))
+        remote_ids = [np.asarray(g, dtype=np.int64) for g in remote]
+        tpl = {t.source_rank: t for t in fresh.templates}
+        ref = tuple(to_pack(s.direct, tpl[s.source_rank], remote_ids, n) for s in got.sources)
+        _same_pack(got, ReadPlan(got.decode_rank, PlanMode.PACK, ref, got.notify, n, got.expected_bytes))
+        assert got.meta == fresh.plan(local, remote, n, PlanMode.PACK).meta
+
+
+def test_pack_recipe_arrays_are_shared_read_only():
+    """Plans of one shape share the recipe's arrays, so none may be written through a plan."""
+    model = load_preset(Q397)
+    producers, consumers = engines(model, 2, 8)
+    local, remote = request_ids(model, producers, consumers, 3000, 1.0)
+    (src,) = Planner(model, consumers[0], producers).plan(local, remote, 3000, PlanMode.PACK).sources
+    with pytest.raises(ValueError, match="read-only"):
+        src.read.length[0] = 0
+    with pytest.raises(ValueError, match="read-only"):
+        src.layout.offset[0] = 1
 
 
 def test_unvalidated_plan_with_too_few_blocks_raises_instead_of_reading_another_group():

@@ -15,7 +15,7 @@ from hybrid_transfer.errors import PlanError
 from hybrid_transfer.layout import RankGeometry, load_preset
 from hybrid_transfer.plan.planner import Planner
 from hybrid_transfer.plan.rank import geometry_from_descriptor
-from hybrid_transfer.plan.stage_layout import map_rows, stage_layout
+from hybrid_transfer.plan.stage_layout import StagedRead, map_rows, stage_layout
 from hybrid_transfer.plan.types import PlanMode
 from hybrid_transfer.verify import check_destination, fill_source, poison
 
@@ -49,11 +49,18 @@ def test_pack_through_the_canonical_layout_moves_exactly_the_right_bytes(s):
         staged[rank] = (layout, staging)
     for rank, cache in enumerate(dec):
         poison(cache)
-        plan = Planner(model, dec_descs[rank], pre_descs).plan(dec_req.block_ids, pre_req.block_ids, n,
-                                                               PlanMode.COALESCED)
-        for src in plan.sources:
+        planner = Planner(model, dec_descs[rank], pre_descs)
+        plan = planner.plan(dec_req.block_ids, pre_req.block_ids, n, PlanMode.COALESCED)
+        packed = planner.plan(dec_req.block_ids, pre_req.block_ids, n, PlanMode.PACK)
+        assert len(packed.sources) == len(plan.sources)
+        for src, pack in zip(plan.sources, packed.sources, strict=True):
             layout, staging = staged[src.source_rank]
             read = map_rows(layout, src.local_addr, src.remote_addr, src.length)
+            # The planner's per-shape pack recipe gives what mapping the direct rows gives.
+            for name in ("addr", "length", "offset"):
+                np.testing.assert_array_equal(getattr(pack.layout, name), getattr(layout, name))
+            for name in StagedRead.__dataclass_fields__:
+                np.testing.assert_array_equal(getattr(pack.read, name), getattr(read, name), err_msg=name)
             assert read.total_bytes == src.total_bytes == int(read.scatter_length.sum())
             assert read.num_ranges <= 2, (read.num_ranges, s["p"], s["d"])
             local = np.concatenate([staging[o : o + ln] for o, ln in zip(read.remote_offset.tolist(),

@@ -1,0 +1,104 @@
+"""Pack plans per request shape: everything of a source's pack plan that the block ids do not change.
+
+A source's staging (plan/stage_layout.py) orders atoms by head, group, tensor, half and kernel
+block, never by block id, so where each byte a consumer reads sits in the staging (its read ranges,
+the order and lengths of its scatter pieces) depends only on the request's shape. Only the atoms'
+source addresses and the scatter pieces' local addresses follow the ids: one gather and one
+multiply-add each, plus joining the pieces the ids make contiguous (docs/planner.md#per-request-cost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from hybrid_transfer.errors import PlanError
+from hybrid_transfer.plan.pieces import Recipe
+from hybrid_transfer.plan.stage_layout import StagedRead, StageShape, read_runs, split_rows, stage_shape
+from hybrid_transfer.plan.templates import SOURCE_MASK, SOURCE_SHIFT, SourceTemplate
+from hybrid_transfer.plan.types import PackSourcePlan, SourcePlan
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """Shared by every plan of a shape: read-only, so no caller edits another plan's arrays."""
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    a.flags.writeable = False
+    return a
+
+
+@dataclass(frozen=True)
+class PackRecipe:
+    """One source's pack plan for one request shape.
+
+    ``read_*`` are the read ranges (remote offset, local offset, length), final. Scatter piece k
+    copies ``scatter_length[k]`` bytes from ``scatter_src[k]`` of local staging to
+    ``flat_local_ids[scatter_sel[k]] * local_page + scatter_const[k]``; pieces that always join
+    (same local block, contiguous) are joined already, the others join when the ids make them
+    contiguous, exactly as ``map_rows`` joins them.
+    """
+
+    stage: StageShape
+    read_remote: np.ndarray
+    read_local: np.ndarray
+    read_length: np.ndarray
+    scatter_src: np.ndarray
+    scatter_sel: np.ndarray
+    scatter_const: np.ndarray
+    scatter_length: np.ndarray
+    local_page: int
+
+    def pack(self, direct: SourcePlan, flat_local: np.ndarray, flat_remote: np.ndarray) -> PackSourcePlan:
+        """The pack plan of one request of this shape (``flat_*``: its int64 id lists concatenated)."""
+        dst = flat_local[self.scatter_sel] * self.local_page + self.scatter_const
+        src, length = self.scatter_src, self.scatter_length
+        if dst.shape[0] > 1:
+            brk = dst[1:] != dst[:-1] + length[:-1]
+            if not brk.all():
+                starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+                src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
+        read = StagedRead(self.read_remote, self.read_local, self.read_length, src, dst, length)
+        return PackSourcePlan(direct, self.stage.layout(flat_remote), read)
+
+
+def pack_recipe(rec: Recipe, index: int, tpl: SourceTemplate, local_base: np.ndarray, local_page: int,
+                remote_page: int, remote_lens: tuple[int, ...], num_tokens: int) -> PackRecipe:
+    """Source ``index``'s pack recipe from the shape's (unmerged, coalesced-mode) Recipe.
+
+    The parts are found as ``map_rows`` finds them, on stand-in addresses: block id i at flat position
+    i, each tensor far from the others. For any valid request (distinct ids) a byte's atom and place
+    in it are the same, so the staging offsets, and hence the plan, are those of the real addresses.
+
+    Raises:
+        PlanError: the rows reach bytes the source does not stage, or read a staged byte twice
+            (a bug on one side), or the read ranges do not hold the rows' bytes.
+    """
+    mine = (rec.local_const >> SOURCE_SHIFT) == index
+    lsel, lconst = rec.local_sel[mine], rec.local_const[mine] & SOURCE_MASK
+    rsel, rconst, length = rec.remote_sel[mine], rec.remote_const[mine], rec.length[mine]
+    geo = tpl.geometry
+    num_tensors = local_base.shape[0]
+    flat_len = int(sum(remote_lens))
+    span = (flat_len + 1) * max(remote_page, geo.page_bytes)
+    stand_in = np.arange(geo.num_tensors, dtype=np.int64) * span
+    stage = stage_shape(geo, tpl.tensor_addrs, remote_lens, num_tokens)
+    fake = stage_shape(geo, stand_in, remote_lens, num_tokens).layout(np.arange(flat_len, dtype=np.int64))
+    # Rows tensor-major, as the direct plan's.
+    ra = (stand_in[:num_tensors, None] + (rsel * remote_page + rconst)[None, :]).ravel()
+    ln = np.tile(length, num_tensors)
+    row, within, staged, plen = split_rows(fake, ra, ln)
+    read_remote, read_local, read_length = read_runs(staged, plen)
+    if int(read_length.sum()) != int(ln.sum()):
+        raise PlanError(f"source {tpl.source_rank}: read ranges hold {int(read_length.sum())} B of the rows' "
+                        f"{int(ln.sum())} B", source_rank=tpl.source_rank)
+    src = np.cumsum(plen) - plen
+    sel = np.tile(lsel, num_tensors)[row]
+    const = (local_base[:, None] + lconst[None, :]).ravel()[row] + within
+    joined = np.concatenate(([False], (sel[1:] == sel[:-1]) & (const[1:] == const[:-1] + plen[:-1])))
+    starts = np.flatnonzero(~joined)
+    return PackRecipe(stage=StageShape(*(_frozen(a) for a in (stage.sel, stage.const, stage.length, stage.offset)),
+                                       stage.page_bytes),
+                      read_remote=_frozen(read_remote), read_local=_frozen(read_local),
+                      read_length=_frozen(read_length), scatter_src=_frozen(src[starts]),
+                      scatter_sel=_frozen(sel[starts]), scatter_const=_frozen(const[starts]),
+                      scatter_length=_frozen(np.add.reduceat(plen, starts)), local_page=local_page)
