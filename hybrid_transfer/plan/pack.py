@@ -81,8 +81,13 @@ def pack_recipe(rec: Recipe, index: int, tpl: SourceTemplate, local_base: np.nda
     flat_len = int(sum(remote_lens))
     span = (flat_len + 1) * max(remote_page, geo.page_bytes)
     stand_in = np.arange(geo.num_tensors, dtype=np.int64) * span
-    stage = stage_shape(geo, tpl.tensor_addrs, remote_lens, num_tokens)
-    fake = stage_shape(geo, stand_in, remote_lens, num_tokens).layout(np.arange(flat_len, dtype=np.int64))
+    fake_shape = stage_shape(geo, stand_in, remote_lens, num_tokens)
+    fake = fake_shape.layout(np.arange(flat_len, dtype=np.int64))
+    # The real shape: each atom's stand-in tensor base (const // span: offsets in a page are below span)
+    # swapped for the tensor's real base.
+    tensor = fake_shape.const // span
+    stage = StageShape(fake_shape.sel, fake_shape.const - stand_in[tensor] + tpl.tensor_addrs[tensor],
+                       fake_shape.length, fake_shape.offset, fake_shape.page_bytes)
     # Rows tensor-major, as the direct plan's.
     ra = (stand_in[:num_tensors, None] + (rsel * remote_page + rconst)[None, :]).ravel()
     ln = np.tile(length, num_tensors)

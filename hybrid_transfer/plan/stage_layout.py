@@ -22,6 +22,7 @@ each part by its atom, so any tiling of the valid bytes reads correctly, only in
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,7 @@ from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.plan.merge import merge_ranges
 
 _EMPTY = np.empty(0, dtype=np.int64)
+_SHARE_PIECES: weakref.WeakKeyDictionary[RankGeometry, tuple[np.ndarray, np.ndarray]] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,17 @@ def _state_atoms(g: RankGeometry, base: np.ndarray,
 
 
 def _share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
-    """[share, piece] offsets inside a page and lengths: Q, K, V (each per window row in SD), then ssm."""
+    """[share, piece] offsets inside a page and lengths: Q, K, V (each per window row in SD), then ssm.
+
+    Per geometry, computed once (a Python loop over shares and window rows, per request otherwise).
+    """
+    got = _SHARE_PIECES.get(g)
+    if got is None:
+        got = _SHARE_PIECES[g] = _compute_share_pieces(g)
+    return got
+
+
+def _compute_share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
     m = g.model
     num_key = len(g.conv_channel_ranges[0]) // m.linear_key_head_dim
     num_value = len(g.value_heads)
@@ -211,7 +223,9 @@ def _share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
         row.append((g.conv_bytes + f * heads * g.ssm_head_bytes, heads * g.ssm_head_bytes))
         rows.append(row)
     arr = np.array(rows, dtype=np.int64)
-    return arr[:, :, 0], arr[:, :, 1]
+    offsets, lengths = np.ascontiguousarray(arr[:, :, 0]), np.ascontiguousarray(arr[:, :, 1])
+    offsets.flags.writeable = lengths.flags.writeable = False
+    return offsets, lengths
 
 
 def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray) -> StagedRead:
