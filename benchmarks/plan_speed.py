@@ -40,7 +40,8 @@ def measure(preset: str, p: int, d: int, num_tokens: int, fragmentation: float, 
     descriptors = 0
     for rank in range(d):
         planner = Planner(model, consumers[rank], producers)
-        planner.plan(*requests[0], num_tokens, mode, validate=validate)  # warm the segment frame cache
+        for _ in range(2):  # warm the shape's caches (pack builds its recipe at a shape's second request)
+            planner.plan(*requests[0], num_tokens, mode, validate=validate)
         for i in range(repeats):
             local, remote = requests[i % _NUM_REQUESTS]
             t0 = time.perf_counter()

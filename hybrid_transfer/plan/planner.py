@@ -39,6 +39,7 @@ from hybrid_transfer.plan.validate import (
 )
 
 _FRAME_CACHE_SIZE = 64
+_SEEN_CACHE_SIZE = 1024
 _EQUAL_FIELDS = ("kv_dtype", "ssm_dtype", "conv_layout", "ssm_order", "kv_layout")
 
 
@@ -102,6 +103,7 @@ class Planner:
         self._frames: dict[int, SegmentFrame] = {}
         self._recipes: dict[tuple, Recipe] = {}  # per request shape (token end, mode, list lengths)
         self._packs: dict[tuple, PackRecipe] = {}  # per request shape and source index
+        self._pack_seen: dict[tuple, None] = {}  # shapes planned once in pack mode (insertion-ordered)
         self._kv, self._state = stack_templates(self.templates)
         # [tensor, source index]: each source's base address of each shared tensor.
         self._remote_base = np.stack([t.tensor_addrs for t in self.templates], axis=1)
@@ -229,10 +231,17 @@ class Planner:
         return rec
 
     def _pack(self, rec: Recipe, index: int, num_tokens: int, local_lens: tuple[int, ...],
-              remote_lens: tuple[int, ...]) -> PackRecipe:
+              remote_lens: tuple[int, ...]) -> PackRecipe | None:
+        """The shape's pack recipe from its second request on; None the first time (the caller maps the
+        direct rows, ``to_pack``, which costs less than building the recipe when the shape never recurs)."""
         key = (num_tokens, local_lens, remote_lens, index)
         pack = self._packs.get(key)
         if pack is None:
+            if key not in self._pack_seen:
+                if len(self._pack_seen) >= _SEEN_CACHE_SIZE:
+                    self._pack_seen.pop(next(iter(self._pack_seen)))
+                self._pack_seen[key] = None
+                return None
             if len(self._packs) >= _FRAME_CACHE_SIZE:
                 self._packs.pop(next(iter(self._packs)))
             pack = self._packs[key] = pack_recipe(rec, index, self.templates[index], self._local_base,
@@ -273,7 +282,8 @@ class Planner:
             direct = SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id)
             if mode is PlanMode.PACK or (mode is PlanMode.AUTO and cost.choose(direct.num_descriptors, direct.total_bytes) is PlanMode.PACK):
                 pack = self._pack(rec, i, num_tokens, local_lens, remote_lens)
-                out.append(pack.pack(direct, flat_l, flat_r))
+                out.append(to_pack(direct, tpl, remote_ids, num_tokens) if pack is None
+                           else pack.pack(direct, flat_l, flat_r))
             else:
                 out.append(direct)
         return tuple(out)
@@ -295,8 +305,8 @@ def to_pack(direct: SourcePlan, tpl: SourceTemplate, remote_block_ids: Sequence[
     """Pack form of one source's direct rows: the source's canonical staging of the request, and this
     rank's read ranges and scatter pieces against it (plan/stage_layout.py).
 
-    The planner builds the same plan from a per-shape PackRecipe (plan/pack.py); this is the
-    reference it is tested against.
+    The planner uses this for a shape's first request and a per-shape PackRecipe (plan/pack.py) from
+    its second on; tests check that both give the same plan.
 
     Raises:
         PlanError: the rows reach bytes the source's layout does not stage (a bug on one side).

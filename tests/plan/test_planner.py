@@ -462,8 +462,9 @@ def _same_pack(a, b) -> None:
 @pytest.mark.parametrize("layout", [SPLIT, INTERLEAVED])
 @pytest.mark.parametrize(("p", "d"), [(2, 8), (1, 1), (8, 2)])
 def test_a_reused_planners_pack_plans_equal_a_fresh_ones_and_the_reference(layout, p, d):
-    """The pack recipe cache (per shape and source) gives, for every shape and id draw, what a fresh planner
-    gives and what mapping the direct rows onto the source's staging gives (``to_pack``)."""
+    """The pack recipe cache (per shape and source, built at a shape's second request) gives, for every shape
+    and id draw, what a fresh planner gives and what mapping the direct rows onto the source's staging gives
+    (``to_pack``, which a shape's first request uses)."""
     model = load_preset(Q397)
     producers, consumers = engines(model, p, d, pool=256, layout=layout)
     rank = d - 1
@@ -485,6 +486,10 @@ def test_a_reused_planners_pack_plans_equal_a_fresh_ones_and_the_reference(layou
         ref = tuple(to_pack(s.direct, tpl[s.source_rank], remote_ids, n) for s in got.sources)
         _same_pack(got, ReadPlan(got.decode_rank, PlanMode.PACK, ref, got.notify, n, got.expected_bytes))
         assert got.meta == fresh.plan(local, remote, n, PlanMode.PACK).meta
+    shapes = {(n, tuple(map(len, local)), tuple(map(len, remote))) for local, remote, n in requests}
+    assert len(shapes) == 6
+    # Every shape's second and later plans came from its recipe, one per source read.
+    assert len(reused._packs) == sum(len(reused.plan(*r, PlanMode.PACK).sources) for r in requests[1:])
 
 
 def test_pack_recipe_arrays_are_shared_read_only():
@@ -492,7 +497,9 @@ def test_pack_recipe_arrays_are_shared_read_only():
     model = load_preset(Q397)
     producers, consumers = engines(model, 2, 8)
     local, remote = request_ids(model, producers, consumers, 3000, 1.0)
-    (src,) = Planner(model, consumers[0], producers).plan(local, remote, 3000, PlanMode.PACK).sources
+    planner = Planner(model, consumers[0], producers)
+    planner.plan(local, remote, 3000, PlanMode.PACK)
+    (src,) = planner.plan(local, remote, 3000, PlanMode.PACK).sources  # the second: from the shape's recipe
     with pytest.raises(ValueError, match="read-only"):
         src.read.length[0] = 0
     with pytest.raises(ValueError, match="read-only"):

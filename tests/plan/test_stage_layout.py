@@ -51,8 +51,9 @@ def test_pack_through_the_canonical_layout_moves_exactly_the_right_bytes(s):
         poison(cache)
         planner = Planner(model, dec_descs[rank], pre_descs)
         plan = planner.plan(dec_req.block_ids, pre_req.block_ids, n, PlanMode.COALESCED)
-        packed = planner.plan(dec_req.block_ids, pre_req.block_ids, n, PlanMode.PACK)
-        assert len(packed.sources) == len(plan.sources)
+        first = planner.plan(dec_req.block_ids, pre_req.block_ids, n, PlanMode.PACK)  # maps the direct rows
+        packed = planner.plan(dec_req.block_ids, pre_req.block_ids, n, PlanMode.PACK)  # the shape's recipe
+        assert len(packed.sources) == len(first.sources) == len(plan.sources)
         for src, pack in zip(plan.sources, packed.sources, strict=True):
             layout, staging = staged[src.source_rank]
             read = map_rows(layout, src.local_addr, src.remote_addr, src.length)
