@@ -22,8 +22,12 @@ _LONG = 131_072  # the long-context pack row
 
 
 def measure(preset: str, p: int, d: int, num_tokens: int, fragmentation: float, mode: PlanMode, repeats: int,
-            validate: bool, seed: int = 0) -> tuple[float, float, int]:
-    """(median us, p90 us, descriptors) of plan() per decode rank per request, over every decode rank."""
+            validate: bool, seed: int = 0, vary_tokens: bool = False) -> tuple[float, float, int]:
+    """(median us, p90 us, descriptors) of plan() per decode rank per request, over every decode rank.
+
+    ``vary_tokens``: every timed request has a token count of its own (num_tokens - 7 i), as prompts do
+    in serving, so no per-shape cache (Recipe, PackRecipe) is ever hit.
+    """
     model = load_preset(preset)
     probe_p = fake_engine(model, p, None, 1)[0]
     probe_d = fake_engine(model, d, None, 1)[0]
@@ -44,12 +48,21 @@ def measure(preset: str, p: int, d: int, num_tokens: int, fragmentation: float, 
             planner.plan(*requests[0], num_tokens, mode, validate=validate)
         for i in range(repeats):
             local, remote = requests[i % _NUM_REQUESTS]
+            tokens = num_tokens
+            if vary_tokens:  # fewer tokens than the ids cover: the planner reads the leading blocks of each list
+                tokens = max(1, num_tokens - 7 * (i + 1) % num_tokens)
+                local, remote = _trim(model, probe_d, local, tokens), _trim(model, probe_p, remote, tokens)
             t0 = time.perf_counter()
-            plan = planner.plan(local, remote, num_tokens, mode, validate=validate)
+            plan = planner.plan(local, remote, tokens, mode, validate=validate)
             samples.append(time.perf_counter() - t0)
         descriptors = max(descriptors, plan.num_descriptors)
     us = np.array(samples) * 1e6
     return float(np.median(us)), float(np.percentile(us, 90)), descriptors
+
+
+def _trim(model, probe, ids, tokens: int):
+    """Each group's first blocks_needed(tokens) ids (the ticket of a shorter request on the same blocks)."""
+    return [list(group[:n]) for group, n in zip(ids, blocks_needed(model, probe.block_size, tokens), strict=True)]
 
 
 def main() -> None:
@@ -58,8 +71,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=300, help="timed requests per decode rank")
     parser.add_argument("--no-validate", action="store_true", help="time planning without validation")
+    parser.add_argument("--vary-tokens", action="store_true",
+                        help="give every timed request a token count of its own (serving's case: no per-shape cache hit)")
     args = parser.parse_args()
-    print(f"{args.preset}, {args.tokens} tokens, validate={not args.no_validate}, "
+    print(f"{args.preset}, {args.tokens} tokens{' (each request its own count below it)' if args.vary_tokens else ''}, "
+          f"validate={not args.no_validate}, "
           f"{args.repeats} requests per decode rank")
     header = f"{'topology':>9} {'blocks':>11} {'mode':>10} {'descriptors':>11} {'median us':>10} {'p90 us':>8}"
     print(header)
@@ -68,13 +84,13 @@ def main() -> None:
         for fragmentation, label in ((0.0, "contiguous"), (1.0, "fragmented")):
             for mode in (PlanMode.NAIVE, PlanMode.COALESCED):
                 med, p90, desc = measure(args.preset, p, d, args.tokens, fragmentation, mode, args.repeats,
-                                         not args.no_validate)
+                                         not args.no_validate, vary_tokens=args.vary_tokens)
                 print(f"{f'P{p}->D{d}':>9} {label:>11} {mode.value:>10} {desc:>11} {med:>10.1f} {p90:>8.1f}")
     # Pack: the path the engine runs for many small rows (docs/planner.md#pack); descriptors = read ranges.
     for p, d, tokens in ((2, 8, args.tokens), (1, 1, args.tokens), (2, 8, _LONG)):
         for fragmentation, label in ((0.0, "contiguous"), (1.0, "fragmented")):
             med, p90, desc = measure(args.preset, p, d, tokens, fragmentation, PlanMode.PACK, args.repeats,
-                                     not args.no_validate)
+                                     not args.no_validate, vary_tokens=args.vary_tokens)
             print(f"{f'P{p}->D{d}':>9} {label:>11} {'pack':>10} {desc:>11} {med:>10.1f} {p90:>8.1f}"
                   f"{'' if tokens == args.tokens else f'  ({tokens} tokens)'}")
 
