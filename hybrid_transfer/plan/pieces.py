@@ -10,7 +10,7 @@ block and kernel block sizes (never the other side's ratio).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -67,6 +67,19 @@ def segment_frame(num_tokens: int, local: RankGeometry, remote: RankGeometry) ->
     return SegmentFrame(n, lb, lc, rb, rc, (t1 - t0) * local.kv_token_stride)
 
 
+def last_cut(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> int:
+    """Start of ``segment_frame(num_tokens, ...)``'s last segment: the largest kernel-block boundary of either
+    side below ``num_tokens`` (0 when there is none).
+
+    Token ends with the same last cut share every segment but the last one's length, so they share a
+    Recipe up to ``Recipe.with_tail`` (docs/planner.md#per-request-cost).
+    """
+    if num_tokens <= 0:
+        return 0
+    kb_l, kb_r = local.kernel_block_size, remote.kernel_block_size
+    return max((num_tokens - 1) // kb_l * kb_l, (num_tokens - 1) // kb_r * kb_r)
+
+
 def naive_token_end(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> int:
     """Where naive mode stops: the end of the request's last logical page on the side whose pages end first.
 
@@ -95,8 +108,9 @@ class Recipe:
 
     A piece's offset on a side is ``flat_ids[sel] * page + const``, where ``flat_ids`` is that side's
     block-id lists concatenated in group order. Everything but the ids depends only on the shape
-    (token range, list lengths, mode), so the planner builds this once per shape and a request costs
-    two gathers and two multiply-adds (docs/planner.md#per-request-cost).
+    (the frame's segments, list lengths, mode) and the last segment's length, so the planner builds
+    this once per shape, patches ``tail`` per token end (``with_tail``), and a request costs two
+    gathers and two multiply-adds (docs/planner.md#per-request-cost).
     """
 
     local_sel: np.ndarray
@@ -105,6 +119,16 @@ class Recipe:
     remote_const: np.ndarray
     length: np.ndarray
     key: np.ndarray | None  # naive mode only
+    tail: np.ndarray  # positions of the pieces cut from the frame's last segment (all of one length)
+
+    def with_tail(self, head_bytes: int) -> Recipe:
+        """This recipe for another token end with the same segments (``last_cut``): only the last segment's
+        pieces change, to ``head_bytes`` each. Merging runs per request on the lengths, so it follows."""
+        if not self.tail.shape[0] or int(self.length[self.tail[0]]) == head_bytes:
+            return self
+        length = self.length.copy()
+        length[self.tail] = head_bytes
+        return replace(self, length=length)
 
     def pieces(self, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int, remote_page: int) -> Pieces:
         """This shape's pieces for one request's flat block-id arrays."""
@@ -128,8 +152,9 @@ def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: 
     """
     l_start = np.concatenate(([0], np.cumsum(local_lens, dtype=np.int64)[:-1]))
     r_start = np.concatenate(([0], np.cumsum(remote_lens, dtype=np.int64)[:-1]))
-    sel_l, const_l, sel_r, const_r, length, key = [], [], [], [], [], []
+    sel_l, const_l, sel_r, const_r, length, key, tail = [], [], [], [], [], [], []
     c = kv.half.shape[0]
+    per_group = frame.num_segments * c
     if c:
         seg_idx = np.arange(frame.num_segments, dtype=np.int64)
         for g in attn_groups:
@@ -142,6 +167,9 @@ def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: 
             const_r.append((frame.remote_const[:, None] + kv.remote_const[None, :]).ravel())
             length.append(np.repeat(frame.head_bytes, c))
             key.append((seg_idx[:, None] * 2 + kv.half[None, :]).ravel() + g * _GROUP_KEY)
+            if per_group:  # segment-major: the group's last c pieces are its last segment's
+                end = len(length) * per_group
+                tail.append(np.arange(end - c, end, dtype=np.int64))
     r = st.length.shape[0]
     if r and gdn_groups.shape[0]:
         bad = [int(g) for g in gdn_groups if local_lens[g] != 1 or remote_lens[g] != 1]
@@ -158,4 +186,5 @@ def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: 
     def cat(parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.empty(0, dtype=np.int64)
 
-    return Recipe(cat(sel_l), cat(const_l), cat(sel_r), cat(const_r), cat(length), cat(key) if with_key else None)
+    return Recipe(cat(sel_l), cat(const_l), cat(sel_r), cat(const_r), cat(length), cat(key) if with_key else None,
+                  cat(tail))

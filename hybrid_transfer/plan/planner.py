@@ -17,7 +17,7 @@ from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
 from hybrid_transfer.plan.pack import PackRecipe, pack_recipe
-from hybrid_transfer.plan.pieces import Recipe, SegmentFrame, naive_token_end, recipe, segment_frame
+from hybrid_transfer.plan.pieces import Recipe, SegmentFrame, last_cut, naive_token_end, recipe, segment_frame
 from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
 from hybrid_transfer.plan.stage_layout import map_rows, stage_layout
 from hybrid_transfer.plan.templates import (
@@ -101,7 +101,8 @@ class Planner:
         self._attn_groups = tuple(i for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION)
         self._gdn_groups = np.array([i for i, g in enumerate(groups) if g.kind is LayerKind.GDN], dtype=np.int64)
         self._frames: dict[int, SegmentFrame] = {}
-        self._recipes: dict[tuple, Recipe] = {}  # per request shape (token end, mode, list lengths)
+        # Per segment structure (last cut, mode, list lengths); a token end patches the last segment's lengths.
+        self._recipes: dict[tuple, Recipe] = {}
         self._packs: dict[tuple, PackRecipe] = {}  # per request shape and source index
         self._pack_seen: dict[tuple, None] = {}  # shapes planned once in pack mode (insertion-ordered)
         self._kv, self._state = stack_templates(self.templates)
@@ -221,14 +222,16 @@ class Planner:
 
     def _recipe(self, token_end: int, naive: bool, local_lens: tuple[int, ...],
                 remote_lens: tuple[int, ...]) -> Recipe:
-        key = (token_end, naive, local_lens, remote_lens)
+        cut = last_cut(token_end, self.local, self.remote)
+        key = (cut, naive, local_lens, remote_lens)
         rec = self._recipes.get(key)
         if rec is None:
             if len(self._recipes) >= _FRAME_CACHE_SIZE:
                 self._recipes.pop(next(iter(self._recipes)))
             rec = self._recipes[key] = recipe(self._frame(token_end), self._kv, self._state, self._attn_groups,
                                               self._gdn_groups, local_lens, remote_lens, naive)
-        return rec
+            return rec
+        return rec.with_tail((token_end - cut) * self.local.kv_token_stride)
 
     def _pack(self, rec: Recipe, index: int, num_tokens: int, local_lens: tuple[int, ...],
               remote_lens: tuple[int, ...]) -> PackRecipe | None:
