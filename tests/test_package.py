@@ -17,3 +17,38 @@ def test_embedder_helpers_are_exported_from_their_one_home():
     assert hybrid_transfer.memory_space is memory_space
     assert hybrid_transfer.kernel_block_ids is kernel_block_ids
     assert hybrid_transfer.quiet_nixl_logging is quiet_nixl_logging
+
+
+def _imported_roots(path):
+    """Top-level module names a source file imports (statements and ``importlib.import_module("...")`` literals)."""
+    import ast
+
+    roots = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            roots.add(node.module.split(".")[0])
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            roots.add(node.args[0].value.split(".")[0])
+    return roots
+
+
+def test_nixl_and_zeromq_are_imported_only_in_engine_and_vllm_only_in_integrations():
+    """docs/index.md#code-layers: engine/ alone imports NIXL and ZeroMQ, integrations/ alone vLLM."""
+    from pathlib import Path
+
+    import hybrid_transfer
+
+    package = Path(hybrid_transfer.__file__).parent
+    crossings = []
+    for path in sorted(package.rglob("*.py")):
+        part = path.relative_to(package).parts[0]
+        roots = _imported_roots(path)
+        if part != "engine":
+            crossings += [f"{path.relative_to(package)}: {r}" for r in roots
+                          if r == "zmq" or r == "nixl" or r.startswith(("nixl_", "nixl-"))]
+        if part != "integrations":
+            crossings += [f"{path.relative_to(package)}: {r}" for r in roots if r == "vllm"]
+    assert crossings == []

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import glob
 import importlib
 import importlib.metadata
 import logging
@@ -14,7 +12,8 @@ import time
 from typing import Any
 
 from hybrid_transfer.doctor.types import CheckResult, Status
-from hybrid_transfer.engine.agent import NixlAgent
+from hybrid_transfer.engine import nixl_install
+from hybrid_transfer.engine.agent import NixlAgent, quiet_nixl_logging
 from hybrid_transfer.engine.config import EngineConfig, ProgressPolicy
 from hybrid_transfer.errors import EngineError, HybridTransferError
 
@@ -32,21 +31,15 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def quiet_nixl_logger() -> None:
-    """NIXL's Python logger prints INFO lines on stdout; keep only its warnings (on its own handler)."""
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-
 def check_nixl_import(meta_module: str = "nixl") -> CheckResult:
     """1. ``import nixl`` (the meta package picks nixl-cu12 / nixl-cu13 from torch's CUDA); which build it chose."""
     installed = {d: v for d in _BUILDS if (v := _dist_version(d)) is not None}
     data: dict[str, Any] = {"meta_version": _dist_version(meta_module), "installed_builds": installed}
     try:
-        importlib.import_module(meta_module)
-        api = importlib.import_module(f"{meta_module}._api")
+        api = nixl_install.import_api(meta_module)
     except Exception as exc:  # ImportError, or whatever the meta package's CUDA probe raised
         data["error"] = f"{type(exc).__name__}: {exc}"
-        fallback = _fallback_api(installed)
+        fallback = nixl_install.first_loadable_api(list(installed))
         if fallback is not None:
             data["api_module"] = fallback  # the remaining checks can still diagnose the build itself
         wanted = str(exc).split(" but ")[-1] if "is not installed" in str(exc) else ""
@@ -54,53 +47,19 @@ def check_nixl_import(meta_module: str = "nixl") -> CheckResult:
                "pip install nixl  (the meta package; it installs nixl-cu12 and nixl-cu13 and picks one at import)")
         return CheckResult(name="nixl", status=Status.FAIL,
                            detail=f"import {meta_module} failed: {data['error']}", fix=fix, data=data)
-    quiet_nixl_logger()
+    quiet_nixl_logging(api_module=api.__name__)
     package = api.__name__.rsplit(".", 1)[0]  # "nixl_cu13" behind the meta package's alias
     build = package.replace("_", "-")
     data.update(api_module=api.__name__, build=build, build_version=_dist_version(build),
-                module_path=os.path.dirname(api.__file__), cuda_major=_detected_cuda_major())
+                module_path=os.path.dirname(api.__file__), cuda_major=nixl_install.cuda_major())
     detail = (f"nixl {data['meta_version']} -> {build} {data['build_version']} ({data['module_path']}); "
               f"CUDA seen by nixl: {data['cuda_major'] or 'none'}")
     return CheckResult(name="nixl", status=Status.PASS, detail=detail, data=data)
 
 
-def _fallback_api(installed: dict[str, str]) -> str | None:
-    for build in installed:
-        name = build.replace("-", "_") + "._api"
-        try:
-            importlib.import_module(name)
-        except Exception:
-            continue
-        return name
-    return None
-
-
-def _detected_cuda_major() -> int | None:
-    try:
-        from nixl_meta_utils import detect_cuda_major
-    except ImportError:
-        return None
-    return detect_cuda_major()
-
-
-def ucx_version(api_module: str) -> str | None:
-    """Version of the UCX library bundled next to the NIXL build (``<build>.libs/libucp-*.so*``)."""
-    module = importlib.import_module(api_module)
-    libs = os.path.dirname(module.__file__) + ".libs"
-    for path in sorted(glob.glob(os.path.join(libs, "libucp*.so*"))):
-        try:
-            fn = ctypes.CDLL(path).ucp_get_version_string
-        except (OSError, AttributeError):
-            continue
-        fn.restype = ctypes.c_char_p
-        return fn().decode()
-    return None
-
-
 def check_ucx_backend(api_module: str) -> CheckResult:
     """2. The engine's agent (UCX backend, the engine's default settings) can be created; which plugins NIXL found."""
-    importlib.import_module(api_module)
-    quiet_nixl_logger()
+    quiet_nixl_logging(api_module=api_module)
     data: dict[str, Any] = {"plugin_dir_env": os.environ.get("NIXL_PLUGIN_DIR")}
     try:
         agent = NixlAgent("ht-doctor-probe", EngineConfig(), api_module=api_module)
@@ -122,7 +81,7 @@ def check_ucx_backend(api_module: str) -> CheckResult:
         agent.close()
         del agent  # NIXL tears the agent down with its last reference
     try:
-        data["ucx_version"] = ucx_version(api_module)
+        data["ucx_version"] = nixl_install.ucx_version(api_module)
     except (OSError, AttributeError, ImportError) as exc:  # informational only
         log.debug("reading UCX's version failed: %s", exc)
     detail = (f"UCX {data.get('ucx_version') or '?'} backend up, memory {', '.join(data.get('mem_types', []))}; "
@@ -193,8 +152,7 @@ def usable_cores() -> int:
 
 def check_progress_thread(api_module: str, sample_s: float = 0.5, num_cores: int | None = None) -> CheckResult:
     """7. CPU used by NIXL's progress thread (its Python wrapper's default poll delay, 0) on an idle agent."""
-    importlib.import_module(api_module)
-    quiet_nixl_logger()
+    quiet_nixl_logging(api_module=api_module)
     baseline = measure_idle_cpu(min(0.2, sample_s))
     # NIXL's own default: a progress thread that never sleeps between rounds.
     nixl_default = EngineConfig(progress=ProgressPolicy.ON_WITH_DELAY, progress_delay_us=0)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 import glob
-import importlib
 import logging
 import os
 import select
@@ -278,11 +277,10 @@ def child_main(role: str) -> None:
 def _make_agent(spec: LoopbackSpec, name: str) -> Any:
     """The engine's agent on the parent's NIXL module; the engine's default config has no progress
     thread, so each process drives UCX itself (the source by polling notifications)."""
-    from hybrid_transfer.engine.agent import NixlAgent
+    from hybrid_transfer.engine.agent import NixlAgent, quiet_nixl_logging
     from hybrid_transfer.engine.config import EngineConfig
 
-    importlib.import_module(spec.api_module)
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines are noise here
+    quiet_nixl_logging(api_module=spec.api_module)  # its INFO lines are noise here
     return NixlAgent(name, EngineConfig(), api_module=spec.api_module)
 
 

@@ -26,7 +26,6 @@ import enum
 import importlib
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -71,9 +70,12 @@ def _nixl_api(module: str | None = None) -> Any:
     return api
 
 
-def quiet_nixl_logging(level: str = "WARNING") -> None:
-    """Keep NIXL's Python logger at ``level`` or above (it sets itself to INFO on import: a line per agent)."""
-    _nixl_api()  # the import applies NIXL's own logging config; override it afterwards
+def quiet_nixl_logging(level: str = "WARNING", api_module: str | None = None) -> None:
+    """Keep NIXL's Python logger at ``level`` or above (it sets itself to INFO on import: a line per agent).
+
+    ``api_module``: a build's API module (``nixl_cu13._api``) to import instead of the meta package's.
+    """
+    _nixl_api(api_module)  # the import applies NIXL's own logging config; override it afterwards
     logging.getLogger("nixl").setLevel(max(logging.WARNING, logging.getLevelName(level)))
 
 
@@ -135,17 +137,6 @@ class XferHandle:
         return self.state is XferState.RELEASED
 
 
-class PostStats:
-    """Time inside NIXL's create and post calls of READs (either thread), for the time split of a run."""
-
-    __slots__ = ("posts", "post_s", "queued_s")
-
-    def __init__(self):
-        self.posts = 0
-        self.post_s = 0.0  # create + transfer, summed
-        self.queued_s = 0.0  # posting thread only: handed over -> its post began (the lock taken), summed
-
-
 class NixlAgent:
     """One rank's NIXL agent: registered cache regions, remote peers, READs and notifications.
 
@@ -184,18 +175,13 @@ class NixlAgent:
         if "UCX" not in plugins:
             raise EngineError(f"no UCX plugin was found (plugins: {plugins})", operation="create agent", agent=name)
         self.backend_params = self._create_backend(device_memory)  # what the UCX backend was created with
-        # With a posting thread every NIXL call takes this lock (module docstring); without, no lock at all.
-        self._lock = threading.RLock() if post_thread else None
-        self.post_stats = PostStats()
+        # With a posting thread every NIXL call takes this lock (module docstring); without, a no-op context.
+        self._guard = threading.RLock() if post_thread else nullcontext()
         self._poster = Poster(name, self._post_queued, thread_init=thread_init) if post_thread else None
 
     @property
     def has_post_thread(self) -> bool:
         return self._poster is not None
-
-    def _nixl(self):
-        """The context every NIXL call runs in: the agent's lock when a posting thread shares it."""
-        return self._lock if self._lock is not None else nullcontext()
 
     def _create_backend(self, device_memory: bool) -> dict[str, str]:
         """The UCX backend, with the thread-pool parameters for this memory kind (config.py)."""
@@ -290,7 +276,7 @@ class NixlAgent:
             if self._closed:
                 raise EngineError("the agent is closed", operation="post READ", agent=self.name, peer=peer)
             xfer = XferHandle(None, peer, n, num_bytes)
-            xfer.posted, xfer.descs = False, (local, remote, time.perf_counter())
+            xfer.posted, xfer.descs = False, (local, remote)
             self._live.add(xfer)
             try:
                 self._poster.submit(xfer)
@@ -300,15 +286,12 @@ class NixlAgent:
                 raise
             return xfer
         xfer: XferHandle | None = None
-        t0 = time.perf_counter()
         try:
             with self._wrap("post READ", peer):
                 handle, dlists = self._create(peer, local, remote)
                 xfer = XferHandle(handle, peer, n, num_bytes, dlists)
                 self._live.add(xfer)
                 xfer.state = XferState.parse(self._agent.transfer(handle))
-            self.post_stats.posts += 1
-            self.post_stats.post_s += time.perf_counter() - t0
         except EngineError:
             if xfer is not None:
                 xfer.state = XferState.ERR
@@ -339,14 +322,10 @@ class NixlAgent:
                 error = EngineError(f"the posting thread could not start: {self._poster.init_error}",
                                     operation="post READ", agent=self.name, peer=xfer.peer)
             else:
-                local, remote, queued_at = xfer.descs
+                local, remote = xfer.descs
                 with self._wrap("post READ", xfer.peer):
-                    t0 = time.perf_counter()  # the lock is ours: what follows is NIXL's time
                     xfer.handle, xfer._dlists = self._create(xfer.peer, local, remote)
                     state = XferState.parse(self._agent.transfer(xfer.handle))
-                stats = self.post_stats
-                stats.posts, stats.post_s, stats.queued_s = (stats.posts + 1, stats.post_s + time.perf_counter() - t0,
-                                                             stats.queued_s + t0 - queued_at)
         except EngineError as exc:
             error = exc
         except BaseException as exc:  # a bug must not kill the thread silently: the READ fails loudly
@@ -403,7 +382,7 @@ class NixlAgent:
             xfer.cancelled = True
             return False
         if xfer.handle is not None:
-            with self._nixl():
+            with self._guard:
                 try:
                     self._agent.release_xfer_handle(xfer.handle)
                 except self._errors as exc:
@@ -448,7 +427,7 @@ class NixlAgent:
                 self.remove_remote(peer)
             except EngineError as exc:
                 log.warning("%s", exc)
-        with self._nixl():
+        with self._guard:
             for descs in self._more_descs:
                 try:
                     self._agent.deregister_memory(descs)
@@ -468,7 +447,7 @@ class NixlAgent:
         if self._closed:
             raise EngineError("the agent is closed", operation=operation, agent=self.name, peer=peer)
         try:
-            with self._nixl():
+            with self._guard:
                 yield
         except EngineError:
             raise

@@ -47,7 +47,6 @@ class Poster:
         self._jobs: collections.deque = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
-        self.posted = 0
         self.init_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=f"post-{name}", daemon=True)
         self._thread.start()
@@ -97,4 +96,3 @@ class Poster:
                     return
                 job = self._jobs.popleft()
             self._post(job)
-            self.posted += 1

@@ -67,7 +67,7 @@ def test_a_read_released_before_its_post_is_never_posted(loopback):
     agent, buf = loopback
     first_local, first_remote = _descs(buf, 0, 8)
     second_local, second_remote = _descs(buf, 8, 8)
-    with agent._lock:  # the posting thread takes the first READ and waits here, before any NIXL call
+    with agent._guard:  # the posting thread takes the first READ and waits here, before any NIXL call
         first = agent.post_read(agent.name, first_local, first_remote)
         second = agent.post_read(agent.name, second_local, second_remote)
         assert agent.check(second) is XferState.PROC  # not posted: NIXL is not asked
@@ -94,7 +94,7 @@ def test_a_read_that_nixl_refuses_fails_on_its_handle(loopback):
 def test_close_cancels_what_is_queued_and_stops_the_thread(loopback):
     agent, buf = loopback
     local, remote = _descs(buf, 0, 8)
-    with agent._lock:
+    with agent._guard:
         xfers = [agent.post_read(agent.name, local, remote) for _ in range(3)]
         closer = threading.Thread(target=agent.close)
         closer.start()
