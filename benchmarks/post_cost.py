@@ -111,24 +111,39 @@ def _descs(base: int, size: int, entries: np.ndarray) -> np.ndarray:
     return rows
 
 
-def _direct(agent, peer, mem, local, remote, reps, warmup) -> dict:
-    t = {s: [] for s in STEPS}
+def _post_to_release(agent, handle) -> tuple[int, int, int]:
+    """ns of ``transfer``, of transfer returned -> DONE, and of ``release_xfer_handle`` for one created handle."""
+    t0 = time.perf_counter_ns()
+    state = agent.transfer(handle)
+    t1 = time.perf_counter_ns()
+    _wait_done(agent, handle, state)
+    t2 = time.perf_counter_ns()
+    agent.release_xfer_handle(handle)
+    return t1 - t0, t2 - t1, time.perf_counter_ns() - t2
+
+
+def _timed(create, steps: tuple[str, ...], agent, reps: int, warmup: int) -> dict:
+    """Medians (ms) of ``steps``: ``create()`` returns (handle, ns of each creation step), then post/done/release."""
+    t = {s: [] for s in steps}
     for i in range(warmup + reps):
+        handle, created = create()
+        if i >= warmup:
+            for step, ns in zip(steps, (*created, *_post_to_release(agent, handle)), strict=True):
+                t[step].append(ns)
+        else:
+            _post_to_release(agent, handle)
+    return {s: _median_ms(v) for s, v in t.items()}
+
+
+def _direct(agent, peer, mem, local, remote, reps, warmup) -> dict:
+    def create():
         t0 = time.perf_counter_ns()
         ld, rd = agent.get_xfer_descs(local, mem), agent.get_xfer_descs(remote, mem)
         t1 = time.perf_counter_ns()
         handle = agent.initialize_xfer("READ", ld, rd, peer)
-        t2 = time.perf_counter_ns()
-        state = agent.transfer(handle)
-        t3 = time.perf_counter_ns()
-        _wait_done(agent, handle, state)
-        t4 = time.perf_counter_ns()
-        agent.release_xfer_handle(handle)
-        t5 = time.perf_counter_ns()
-        if i >= warmup:
-            for step, a, b in zip(STEPS, (t0, t1, t2, t3, t4), (t1, t2, t3, t4, t5), strict=True):
-                t[step].append(b - a)
-    return {s: _median_ms(v) for s, v in t.items()}
+        return handle, (t1 - t0, time.perf_counter_ns() - t1)
+
+    return _timed(create, STEPS, agent, reps, warmup)
 
 
 def _prepped_peer(agent, peer, mem, lbase, rbase, buffer_bytes, size, li, ri, reps, warmup) -> dict:
@@ -137,23 +152,16 @@ def _prepped_peer(agent, peer, mem, lbase, rbase, buffer_bytes, size, li, ri, re
     local_h = agent.prep_xfer_dlist("", _descs(lbase, size, entries), mem)
     remote_h = agent.prep_xfer_dlist(peer, _descs(rbase, size, entries), mem)
     prep_ns = time.perf_counter_ns() - t0
-    t = {s: [] for s in STEPS[1:]}
-    for i in range(warmup + reps):
+
+    def create():
         t1 = time.perf_counter_ns()
         handle = agent.make_prepped_xfer("READ", local_h, li, remote_h, ri)
-        t2 = time.perf_counter_ns()
-        state = agent.transfer(handle)
-        t3 = time.perf_counter_ns()
-        _wait_done(agent, handle, state)
-        t4 = time.perf_counter_ns()
-        agent.release_xfer_handle(handle)
-        t5 = time.perf_counter_ns()
-        if i >= warmup:
-            for step, a, b in zip(STEPS[1:], (t1, t2, t3, t4), (t2, t3, t4, t5), strict=True):
-                t[step].append(b - a)
+        return handle, (time.perf_counter_ns() - t1,)
+
+    medians = _timed(create, STEPS[1:], agent, reps, warmup)
     agent.release_dlist_handle(local_h)
     agent.release_dlist_handle(remote_h)
-    return {"prep": prep_ns / 1e6, "entries": int(entries.shape[0]), **{s: _median_ms(v) for s, v in t.items()}}
+    return {"prep": prep_ns / 1e6, "entries": int(entries.shape[0]), **medians}
 
 
 def _repost(agent, peer, mem, local, remote, reps, warmup) -> dict:

@@ -194,29 +194,27 @@ def plain_table(result: BenchResult) -> str:
 
 
 def print_table(result: BenchResult, console) -> None:
-    """The rich summary table on ``console``."""
-    from rich.table import Table
-
-    table = Table(title=headline(result), title_justify="left")
-    if result.spec.sweep is not Sweep.NONE:
-        table.add_column(result.spec.sweep.value, justify="right")
-    for i, col in enumerate(COLUMNS):
-        table.add_column(col, justify="left" if i == 0 else "right")
-    for row in table_rows(result):
-        table.add_row(*row)
-    console.print(table)
+    """The rich summary and time-split tables on ``console``."""
+    console.print(_rich_table(result, headline(result), COLUMNS, table_rows(result)))
     console.print(NOTES, style="dim")
-    split = Table(title=SPLIT_TITLE, title_justify="left")
-    if result.spec.sweep is not Sweep.NONE:
-        split.add_column(result.spec.sweep.value, justify="right")
-    for i, col in enumerate(SPLIT_COLUMNS):
-        split.add_column(col, justify="left" if i == 0 else "right")
-    for row in split_rows(result):
-        split.add_row(*row)
-    console.print(split)
+    console.print(_rich_table(result, SPLIT_TITLE, SPLIT_COLUMNS, split_rows(result)))
     console.print(SPLIT_NOTES, style="dim")
     for w in result.warnings:
         console.print(f"warning: {w}", style="yellow")
+
+
+def _rich_table(result: BenchResult, title: str, columns, rows):
+    """One rich table: the swept value first (when there is a sweep), then ``columns``."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    if result.spec.sweep is not Sweep.NONE:
+        table.add_column(result.spec.sweep.value, justify="right")
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def stats_of(result: BenchResult, variant: str) -> list[VariantStats]:
