@@ -82,8 +82,14 @@ def _target(conn, device: str, buffer_bytes: int) -> None:
     del tensor
 
 
+READ_TIMEOUT_S = 60.0  # a READ still in PROC after this is reported, not waited on forever
+
+
 def _wait_done(agent, handle, state: str) -> None:
+    deadline = time.monotonic() + READ_TIMEOUT_S
     while state == "PROC":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"READ still in PROC after {READ_TIMEOUT_S} s")
         state = agent.check_xfer_state(handle)
     if state != "DONE":
         raise RuntimeError(f"READ ended in {state}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -139,8 +141,9 @@ def test_requests_of_one_shape_reuse_the_index_map_and_land_bitwise(device):
         staging = torch.arange(total, dtype=torch.int64, device=device).mul_(7 + k).to(torch.uint8)
         before = [t.clone() for t in cache]
         ticket = copier.scatter(staging, dst, lengths)
+        deadline = time.monotonic() + 30
         while not ticket.is_done:  # completion seen by polling the end event (CUDA), at once on CPU
-            pass
+            assert time.monotonic() < deadline, "scatter not done in time"
         want = [t.cpu().numpy().copy() for t in before]
         off = 0
         for a, n in zip(dst.tolist(), lengths.tolist(), strict=True):
@@ -217,8 +220,9 @@ def test_cuda_scatter_runs_on_the_copiers_stream_and_is_done_only_when_its_event
     marker += 1  # on the caller's (default) stream: not queued behind the copier's stream
     torch.cuda.current_stream().synchronize()
     assert not ticket.is_done
+    deadline = time.monotonic() + 30
     while not ticket.is_done:
-        pass
+        assert time.monotonic() < deadline, "scatter not done in time"
     assert ticket.elapsed_s > 0 and 0 <= ticket.index_s <= ticket.elapsed_s
     back = torch.zeros(total, dtype=torch.uint8, device="cuda")
     copier.gather(requests[0], lengths, back).wait()
