@@ -34,6 +34,9 @@ Version log:
      and gather time, or ABSENT), so a consumer posts its READ when that arrives, with no query round
      trip; Welcome.stages, last and defaulted (False), says whether the rank stages at all. The side
      channel's StagingQuery / StagingReply (kinds 20 and 21, issue 6) are gone; their numbers stay unused.
+  7: the production shape (issue 19): HandshakeReply.cause, last and defaulted (""), names why a
+     producer refused in one word a consumer can act on ("secret", "capacity", "incompatible", "busy"),
+     so a refused link stores that cause and a later ticket fails naming it (docs/security.md).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -53,7 +56,7 @@ from hybrid_transfer.errors import WireDecodeError
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
@@ -168,6 +171,9 @@ class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     producer: Any
 
 
+REFUSAL_CAUSES = ("secret", "capacity", "incompatible", "busy")  # HandshakeReply.cause (version 7)
+
+
 class HandshakeReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="handshake_reply"):
     """A producer rank's answer: its agent and cache, or why it refuses."""
 
@@ -180,6 +186,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
     agent_name: Name = ""
     agent_metadata: bytes = b""
     rank: RankDescriptor | None = None
+    cause: Name = ""  # version 7: why a refusal happened, one of REFUSAL_CAUSES; "" when accepted
 
 
 class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticket"):
