@@ -78,6 +78,10 @@ class Forge(_Msg):
     producer_address: str
     refs: tuple[tuple[str, int], ...]  # (request id, nonce) of live requests
     garbage: int = 8
+    tickets: tuple[bytes, ...] = ()  # live tickets the second consumer (soak/rival.py) declines, aborts or reads
+    seeds: tuple[int, ...] = ()  # their oracle seeds, to verify what the second consumer reads
+    hostile: int = 0  # hostile kv_transfer_params drawn per ticket (soak/hostile.py)
+    seed: int = 0
 
 
 class Final(_Msg):
@@ -117,6 +121,7 @@ class Outcomes(_Msg):
 class Forged(_Msg):
     sent: int
     stranger_error: str  # the exception type the stranger's handshake raised ("" if it succeeded)
+    rival: dict[str, int] = {}  # second consumer: action/outcome counts since the last report
 
 
 class FinalState(_Msg):
@@ -129,6 +134,8 @@ class FinalState(_Msg):
     rss_start_kib: int
     metrics: bytes  # msgpack of ProducerMetrics or ConsumerMetrics
     terminal: dict[str, int]
+    rival: dict[str, int] = {}  # second consumer: action/outcome counts since its last report
+    rival_state: dict[str, int] = {}  # second consumer at the end: active, quarantined, handles, wrong bytes, ...
 
 
 class Done(_Msg):

@@ -55,6 +55,8 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     replay_rate: float = 0.02  # extra reads of old tickets
     edit_rate: float = 0.01  # reads of edited tickets instead of the real one
     forge_every: int = 5  # batches between rounds of forged notifications (and a stranger's handshake)
+    rival: bool = True  # forge rounds: a second consumer declines, aborts or reads the live tickets (soak/rival.py)
+    hostile_params: int = 4  # forge rounds: hostile kv_transfer_params per live ticket (soak/hostile.py)
     kills: bool = True  # SIGKILL and restart the producer and the consumer once each
     auth: bool = True
     lease_s: float = 10.0  # long enough for a batch to be held and read on a busy host; stalls wait it out
@@ -75,6 +77,8 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
         for name in ("abort_rate", "stall_rate", "replay_rate", "edit_rate"):
             if not 0.0 <= getattr(self, name) <= 0.3:
                 bad(name, "must be in [0, 0.3]")
+        if not 0 <= self.hostile_params <= 64:
+            bad("hostile_params", "must be in [0, 64]")
         if not 0 < self.heartbeat_s < self.lease_s:
             bad("heartbeat_s", "must be positive and shorter than the lease")
         geometry = geometry_of(self.model)
@@ -107,6 +111,8 @@ class SoakReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     rejected_peers: int  # producer handshakes refused (final incarnation)
     malformed: int  # producer: notifications that were not ours (the forged garbage; final incarnation)
     stranger_refusals: dict[str, int]  # exception the wrong-secret stranger's handshake raised
+    rival: dict[str, int]  # second consumer and hostile params: action/outcome -> count (docs/soak.md#rival)
+    rival_state: dict[str, int]  # second consumer's final state (last decode incarnation)
     kills: list[str]
     blocks_pinned: int
     quarantined: int
@@ -212,6 +218,7 @@ class Soak:
         self.reported_twice = 0
         self.forged_sent = 0
         self.stranger: Counter = Counter()
+        self.rival: Counter = Counter()
         self.kills: list[str] = []
         self.replayable: list[str] = []  # requests read DONE and released: their tickets are replay material
         self.layouts: dict[str, tuple] = {}  # request id -> (remote block ids, local block ids, tokens, seed)
@@ -323,7 +330,8 @@ class Soak:
             self._kill_consumer(holds, items, stalled)
             return
         if s.forge_every and b % s.forge_every == s.forge_every - 1:
-            self._forge([(rid, _ticket_nonce(self.tickets[rid])) for rid, *_ in reads[:8]])
+            self._forge([(rid, _ticket_nonce(self.tickets[rid])) for rid, *_ in reads[:8]],
+                        [rid for rid, *_ in reads[8:16]])
         self._take_consumer([it.key for it in items], self._wait_s)
         num_replays = sum(rng.random() < s.replay_rate for _ in range(n))
         self._replay_fresh([rid for rid, _, edit in reads if not edit], num_replays)
@@ -431,13 +439,20 @@ class Soak:
             self.reported_twice += 1
         table[key] = value
 
-    def _forge(self, refs) -> None:
-        if not self.spec.auth:
+    def _forge(self, refs, rival_rids) -> None:
+        s = self.spec
+        if not s.auth:
             refs = []  # without a secret a Completion from a handshaked agent is indistinguishable from its own
-        forged = self.consumer.call(m.Forge(self.p_ready.agent_name, self.p_ready.address, tuple(refs)), m.Forged,
-                                    60.0)
+        if not s.rival:
+            rival_rids = []
+        tickets = tuple(self.tickets[rid] for rid in rival_rids)
+        seeds = tuple(self.layouts[rid][3] for rid in rival_rids)
+        forge = m.Forge(self.p_ready.agent_name, self.p_ready.address, tuple(refs), tickets=tickets, seeds=seeds,
+                        hostile=s.hostile_params, seed=self.rng.randrange(1 << 32))
+        forged = self.consumer.call(forge, m.Forged, 120.0)
         self.forged_sent += forged.sent
         self.stranger[forged.stranger_error or "ACCEPTED"] += 1
+        self.rival.update(forged.rival)
 
     def _kill_producer(self, holds, items, stalled) -> None:
         """SIGKILL the producer while reads are in flight; the consumer must fail (or finish) each, then relink."""
@@ -474,6 +489,8 @@ class Soak:
         unfinished = (s.requests - len(all_rids)) + sum(
             1 for rid in all_rids if rid not in self.producer_outcome or rid not in self.consumer_outcome)
         lat = cm.post_to_done
+        self.rival.update(c_final.rival)
+        rs = c_final.rival_state
         checks = {
             "every request ended exactly once on each side": unfinished == 0 and self.reported_twice == 0,
             "zero wrong bytes": self.wrong_bytes == 0 and cm.byte_mismatches == 0,
@@ -482,6 +499,13 @@ class Soak:
             "zero handles leaked": p_final.live_handles == 0 and c_final.live_handles == 0,
             "stranger handshakes refused": "ACCEPTED" not in self.stranger,
         }
+        if s.rival and self.rival:
+            checks["second consumer: right bytes, ended empty"] = (
+                rs.get("wrong_bytes", 0) == 0 and not any("/WRONG" in k for k in self.rival)
+                and rs.get("active", 0) == 0 and rs.get("quarantined", 0) == 0 and rs.get("handles", 0) == 0)
+            checks["hostile params: typed refusals, none DONE"] = (
+                not any("/UNTYPED:" in k for k in self.rival) and rs.get("hostile_done", 0) == 0
+                and not any(k.startswith("params:") and "/done" in k for k in self.rival))
         if s.kills:
             checks["one kill and restart of each side"] = len(self.kills) == 2
         return SoakReport(
@@ -498,7 +522,8 @@ class Soak:
             attacks={k: dict(sorted(v.items())) for k, v in self.attack_outcomes.items()},
             attacks_done=self.attacks_done[:20],
             forged_sent=self.forged_sent, rejected_messages=dict(sorted(pm.rejected_messages.items())),
-            rejected_peers=pm.rejected_peers, malformed=pm.malformed, stranger_refusals=dict(self.stranger), kills=self.kills,
+            rejected_peers=pm.rejected_peers, malformed=pm.malformed, stranger_refusals=dict(self.stranger),
+            rival=dict(sorted(self.rival.items())), rival_state=dict(rs), kills=self.kills,
             blocks_pinned=p_final.pinned_blocks, quarantined=c_final.quarantined_blocks,
             handles_leaked=p_final.live_handles + c_final.live_handles,
             rss_growth_kib={"prefill": p_final.rss_kib - p_final.rss_start_kib,
@@ -543,6 +568,8 @@ def render(report: SoakReport) -> str:
         f"  forged notifications sent:        {r.forged_sent}; producer rejected {r.rejected_messages}, "
         f"malformed {r.malformed}",
         f"  stranger handshakes:              {r.stranger_refusals}; producer rejected peers {r.rejected_peers}",
+        f"  second consumer / hostile params: {r.rival}",
+        f"  second consumer at the end:       {r.rival_state}",
         f"  kills:                            {r.kills}",
         f"  blocks pinned:                    {r.blocks_pinned}",
         f"  quarantined:                      {r.quarantined}",

@@ -72,6 +72,7 @@ class Rank:
         self.outcomes: dict[str, m.Outcome] = {}  # key -> how it ended here
         self.reading: dict[str, str] = {}  # consumer: request id -> key
         self.expected: dict[str, tuple] = {}  # consumer: key -> (RequestLayout, seed, edited)
+        self.rival = None  # consumer: the second consumer (soak/rival.py), made at the first forge round
         self.rss_start = rss_kib()  # once the engine runs: growth from here is what the requests cost
 
     def _record_sent(self, agent) -> None:
@@ -101,6 +102,8 @@ class Rank:
         else:
             for r in self.engine.poll():
                 self._record(r)
+            if self.rival is not None:
+                self.rival.poll()
 
     def _ended(self, key: str, outcome: m.Outcome) -> None:
         old = self.outcomes.get(key)
@@ -112,7 +115,7 @@ class Rank:
         key = self.reading.pop(r.request_id, r.request_id)
         self.aborts.pop(r.request_id, None)  # an abort still scheduled must not hit a replay of this ticket
         layout, seed, _ = self.expected.pop(key)
-        verified = _blocks_hold(self.cache, layout, seed) if r.ok else None
+        verified = blocks_hold(self.cache, layout, seed) if r.ok else None
         for t in self.cache.tensors:  # the embedder reuses the blocks: poison them again
             pages = t.view(self.cache.num_blocks, self.cache.geometry.page_bytes)
             for group in layout.block_ids:
@@ -185,7 +188,27 @@ class Rank:
                 sent += 1
             except Exception as exc:  # noqa: BLE001 - counted by what was sent
                 log.info("forged notification not sent: %s", exc)
-        return m.Forged(sent, self._stranger(cmd.producer_address))
+        return m.Forged(sent, self._stranger(cmd.producer_address), self._rival_acts(cmd))
+
+    def _rival_acts(self, cmd: m.Forge) -> dict[str, int]:
+        """The second consumer declines, aborts or reads the live tickets and tries hostile params of each."""
+        import random
+
+        from hybrid_transfer.soak.rival import Rival
+
+        if not cmd.tickets:
+            return {}
+        if self.rival is None:
+            self.rival = Rival(self.config, self.cache.geometry)
+        self.rival.act(list(cmd.tickets), list(cmd.seeds), random.Random(cmd.seed), cmd.hostile)
+        return self._rival_report()
+
+    def _rival_report(self) -> dict[str, int]:
+        if self.rival is None:
+            return {}
+        out = dict(self.rival.outcomes)
+        self.rival.outcomes.clear()
+        return out
 
     def _stranger(self, address: str) -> str:
         """A consumer holding the wrong secret tries to handshake: it must be refused."""
@@ -215,10 +238,11 @@ class Rank:
             pinned_blocks=e.num_held_blocks if prefill else 0, held_requests=e.num_held_requests if prefill else 0,
             quarantined_blocks=0 if prefill else e.num_quarantined_blocks, active=0 if prefill else e.num_active,
             live_handles=e.agent.num_live_handles, rss_kib=rss_kib(), rss_start_kib=self.rss_start,
-            metrics=msgspec.msgpack.encode(e.metrics()), terminal=dict(e.terminal_counts))
+            metrics=msgspec.msgpack.encode(e.metrics()), terminal=dict(e.terminal_counts),
+            rival=self._rival_report(), rival_state=self.rival.state() if self.rival is not None else {})
 
 
-def _blocks_hold(cache, layout, seed) -> bool:
+def blocks_hold(cache, layout, seed) -> bool:
     """Every page of the request's local blocks equals what a correct transfer leaves there."""
     import torch
 
@@ -254,6 +278,8 @@ def worker_main(conn, log_level: str = "WARNING") -> None:
                 rank.poll()
     finally:
         if rank is not None:
+            if rank.rival is not None:
+                rank.rival.close()
             rank.engine.close()
 
 

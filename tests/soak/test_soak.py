@@ -28,6 +28,10 @@ def test_short_soak_leaks_nothing_and_moves_no_wrong_byte():
         assert outcomes and "done" not in outcomes, (kind, outcomes)
     assert report.forged_sent > 0 and sum(report.rejected_messages.values()) > 0
     assert report.stranger_refusals and "ACCEPTED" not in report.stranger_refusals
+    # The second consumer acted on live tickets and hostile params were drawn; every one typed or ended.
+    actions = {k.split("/")[0] for k in report.rival}
+    assert {"decline", "read"} & actions and any(a.startswith("params:") for a in actions), report.rival
+    assert not any("/UNTYPED:" in k or "/WRONG" in k for k in report.rival), report.rival
 
 
 def test_tiny_model_matches_the_tests_tiny_model():
