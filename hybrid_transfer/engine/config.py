@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import enum
 import math
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -264,23 +265,32 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return params
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], *, tp_rank: int = 0) -> EngineConfig:
+    def from_dict(cls, config: Mapping[str, Any], *, tp_rank: int = 0, tp_size: int | None = None,
+                  dp_index: int = 0) -> EngineConfig:
         """Build and validate a config from plain JSON-like values (vLLM's ``kv_connector_extra_config``).
 
         Keys are this struct's field names; enums are given by value (``"mode": "pack"``), ``cost``
-        as a dict of CostParams fields. ``side_channel_port`` is the engine's base port: TP rank
-        ``tp_rank`` binds ``base + tp_rank``, and 0 lets every rank pick a free port (read it back
-        from ``Producer.rank_card``). Only settings live here, never secrets.
+        as a dict of CostParams fields. Only settings live here, never secrets.
+
+        One dict configures every rank of every data-parallel (DP) engine of an endpoint, so two
+        values are resolved per rank here (docs/dep.md):
+
+        - ``side_channel_port`` is a base: TP rank ``tp_rank`` of DP engine ``dp_index`` binds
+          ``base + dp_index * tp_size + tp_rank`` (``tp_size`` is needed once ``dp_index`` > 0);
+          0 lets every rank pick a free port (read it back from ``Producer.rank_card``).
+        - ``advertise_host`` may name where to find the address instead of giving it:
+          ``"env:VAR"`` (this process's environment variable VAR) or ``"interface:NAME"`` (the
+          IPv4 address of network interface NAME on this host).
 
         Raises:
             ConfigError: not a mapping, an unknown key, a value of the wrong type or an invalid
-                one; ``field`` names it.
+                one, a rank port outside [1, 65535], an unset variable or an unknown interface;
+                ``field`` names it.
         """
         if not isinstance(config, Mapping):
             raise ConfigError(f"EngineConfig settings must be a mapping, got {type(config).__name__}", field="*",
                               value=type(config).__name__)
-        if not isinstance(tp_rank, int) or isinstance(tp_rank, bool) or tp_rank < 0:
-            raise ConfigError(f"tp_rank={tp_rank!r} must be a non-negative integer", field="tp_rank", value=tp_rank)
+        port_offset = rank_port_offset(tp_rank=tp_rank, tp_size=tp_size, dp_index=dp_index)
         for key in config:
             if key not in cls.__struct_fields__:
                 raise ConfigError(f"unknown EngineConfig key {key!r}; known: {', '.join(cls.__struct_fields__)}",
@@ -292,18 +302,22 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     raise ConfigError(f"unknown EngineConfig key 'cost.{key}'; known: "
                                       f"{', '.join(CostParams.__struct_fields__)}", field=f"cost.{key}",
                                       value=cost[key])
+        config = dict(config)
+        if "advertise_host" in config:
+            config["advertise_host"] = resolve_host_source(config["advertise_host"])
         try:
-            built = msgspec.convert(dict(config), cls, strict=True)
+            built = msgspec.convert(config, cls, strict=True)
         except msgspec.ValidationError as exc:
             field = _path_field(str(exc))
             raise ConfigError(f"EngineConfig.{field}={_lookup(config, field)!r}: {exc}", field=field,
                               value=_lookup(config, field)) from exc
         base = built.side_channel_port
         if isinstance(base, int) and base:
-            if not 0 < base + tp_rank <= 65535:
-                raise ConfigError(f"side_channel_port={base} + tp_rank {tp_rank} is outside [1, 65535]",
+            if not 0 < base + port_offset <= 65535:
+                raise ConfigError(f"side_channel_port={base} + data_parallel_index {dp_index} x tp_size {tp_size} + "
+                                  f"tp_rank {tp_rank} = {base + port_offset} is outside [1, 65535]",
                                   field="side_channel_port", value=base)
-            built = msgspec.structs.replace(built, side_channel_port=base + tp_rank)
+            built = msgspec.structs.replace(built, side_channel_port=base + port_offset)
         return built.validate()
 
     def _validate_advertise_host(self) -> None:
@@ -314,6 +328,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      "a wildcard binds every interface, but no other host can connect to it; advertise an "
                      "address of this host that consumers reach")
             return
+        if isinstance(host, str) and host.startswith(HOST_SOURCES):
+            _bad("advertise_host", host, "names where to find the address; only EngineConfig.from_dict resolves it")
         if not isinstance(host, str) or not host or host in WILDCARD_HOSTS or any(
                 c in host for c in "/ \t\n"):
             _bad("advertise_host", host, "must be a host name or address other hosts can reach (not a wildcard, "
@@ -325,6 +341,65 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.heartbeat_interval_s is not None:
             return float(self.heartbeat_interval_s)
         return min(5.0, self.lease_s / 4)
+
+
+HOST_SOURCES = ("env:", "interface:")  # advertise_host values that say where the address is (from_dict)
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def rank_port_offset(*, tp_rank: int, tp_size: int | None, dp_index: int) -> int:
+    """``dp_index * tp_size + tp_rank``: how far above the base port a rank binds (docs/dep.md).
+
+    Every rank of every DP engine of one endpoint then gets its own port from one base; vLLM's
+    own NixlConnector offsets by ``data_parallel_index`` alone (one listener per engine core).
+
+    Raises:
+        ConfigError: a negative or non-integer value, ``tp_rank`` not below ``tp_size``, or a DP
+            index above 0 without ``tp_size``.
+    """
+    for name, value in (("tp_rank", tp_rank), ("dp_index", dp_index)):
+        if not _is_int(value) or value < 0:
+            raise ConfigError(f"{name}={value!r} must be a non-negative integer", field=name, value=value)
+    if tp_size is None:
+        if dp_index:
+            raise ConfigError(f"dp_index={dp_index} needs tp_size (the port offset is dp_index * tp_size + tp_rank)",
+                              field="tp_size", value=tp_size)
+        return tp_rank
+    if not _is_int(tp_size) or tp_size < 1 or tp_rank >= tp_size:
+        raise ConfigError(f"tp_size={tp_size!r} must be a positive integer above tp_rank={tp_rank}", field="tp_size",
+                          value=tp_size)
+    return dp_index * tp_size + tp_rank
+
+
+def resolve_host_source(value: Any) -> Any:
+    """``"env:VAR"`` -> the variable's value, ``"interface:NAME"`` -> the interface's IPv4 address; else ``value``.
+
+    Raises:
+        ConfigError: the variable is unset or empty, or the interface has no IPv4 address here.
+    """
+    if not isinstance(value, str) or not value.startswith(HOST_SOURCES):
+        return value
+    kind, _, name = value.partition(":")
+    if kind == "env":
+        host = os.environ.get(name, "").strip() if name else ""
+        if not host:
+            raise ConfigError(f"EngineConfig.advertise_host={value!r}: environment variable {name!r} is unset or "
+                              "empty in this process", field="advertise_host", value=value)
+        return host
+    import fcntl  # Linux (as vLLM serving is); imported here so the config module loads everywhere
+    import socket
+    import struct
+
+    if not 0 < len(name.encode(errors="replace")) < 16 or "\0" in name:  # IFNAMSIZ: the kernel would truncate
+        raise ConfigError(f"EngineConfig.advertise_host={value!r}: {name!r} is not an interface name (1-15 bytes)",
+                          field="advertise_host", value=value)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
+    except (OSError, UnicodeEncodeError) as exc:
+        raise ConfigError(f"EngineConfig.advertise_host={value!r}: interface {name!r} has no IPv4 address on this "
+                          f"host ({exc})", field="advertise_host", value=value) from exc
+    return socket.inet_ntoa(packed[20:24])
 
 
 def _path_field(message: str) -> str:
