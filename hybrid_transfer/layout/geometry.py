@@ -10,16 +10,12 @@ import enum
 import math
 import numbers
 from functools import cached_property
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from hybrid_transfer.errors import ConfigError, ShardingError
 from hybrid_transfer.layout.model import DType, ModelSpec
 from hybrid_transfer.layout.tensor_map import TensorMap, build_tensor_map
-
-if TYPE_CHECKING:
-    from hybrid_transfer.layout.engine_spec import EngineRankSpec
 
 DEFAULT_ALIGNMENT = 16  # FlashAttention's smallest kernel block
 
@@ -133,18 +129,6 @@ class RankGeometry:
         self.kv_layout = self.options.kv_layout
         self.tensor_map: TensorMap = build_tensor_map(model)
         self._check_block_sizes()
-
-    @classmethod
-    def from_engine_specs(cls, model: ModelSpec, tp_size: int, tp_rank: int, spec: EngineRankSpec) -> RankGeometry:
-        """The geometry of a live engine's rank, checked against the registry (layout/engine_spec.py).
-
-        Raises:
-            EngineSpecMismatch: every disagreement (head count, shapes, layer-to-slot map, groups,
-                block sizes, page size), each named with both values.
-        """
-        from hybrid_transfer.layout.engine_spec import geometry_from_engine_spec
-
-        return geometry_from_engine_spec(model, tp_size, tp_rank, spec)
 
     # ---- attention ---------------------------------------------------------
     @property

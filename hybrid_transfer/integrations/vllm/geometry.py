@@ -1,7 +1,7 @@
 """Our view of a live vLLM cache: the rank geometry from vLLM's specs and the shared slots carved
 out of vLLM's one backing allocation, without copying.
 
-vLLM's numbers are handed to ``RankGeometry.from_engine_specs`` as plain numbers: the engine's win
+vLLM's numbers are handed to ``geometry_from_engine_spec`` as plain numbers: the engine's win
 where an engine may differ from the model's config (dtypes, block sizes, kernel block size);
 everything else is checked against our registry, and every disagreement is refused by name
 before a NIXL agent exists.
@@ -19,8 +19,13 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.cache_slots import slots_from_layer_views
 from hybrid_transfer.errors import CacheShapeError, UnsupportedError
 from hybrid_transfer.integrations.vllm.groups import GroupMap, engine_groups, layer_index
-from hybrid_transfer.layout.engine_spec import EngineAttentionSpec, EngineRankSpec, EngineStateSpec
-from hybrid_transfer.layout.geometry import ConvLayout, KVLayout, RankGeometry
+from hybrid_transfer.layout.engine_spec import (
+    EngineAttentionSpec,
+    EngineRankSpec,
+    EngineStateSpec,
+    geometry_from_engine_spec,
+)
+from hybrid_transfer.layout.geometry import ConvLayout, KVLayout
 from hybrid_transfer.layout.model import DType, ModelSpec, model_from_config
 
 REQUIRED_LAYOUT = "LBHNC"  # vLLM's name for [block][head][token][K|V] pages (alias HND)
@@ -115,7 +120,7 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
     if spec.conv_layout is not ConvLayout.DS:
         raise UnsupportedError("the GDN conv state must be in DS layout: set VLLM_SSM_CONV_STATE_LAYOUT=DS "
                                "on both engines")
-    geometry = RankGeometry.from_engine_specs(model, vllm_config.parallel_config.tensor_parallel_size, tp_rank, spec)
+    geometry = geometry_from_engine_spec(model, vllm_config.parallel_config.tensor_parallel_size, tp_rank, spec)
     group_map = GroupMap.build(geometry.tensor_map, kv_cache_config)
     # Slot j: layer j of every group, one byte range of vLLM's single allocation (checked view by view).
     slots = slots_from_layer_views(views, geometry.tensor_map.layer_tensor,
