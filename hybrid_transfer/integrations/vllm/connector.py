@@ -2,7 +2,8 @@
 
 A thin facade: vLLM builds one instance per role (scheduler: in the engine core; worker: one per
 TP rank) and this class forwards each hook to the half that owns it (scheduler.py, worker.py).
-Settings come from ``kv_connector_extra_config`` (EngineConfig fields, side-channel port per rank).
+Settings come from ``kv_connector_extra_config`` (EngineConfig fields): one dict for every rank of
+every data-parallel engine of an endpoint, resolved per rank by ``rank_config`` (docs/dep.md).
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def tensor_parallel_rank() -> int:
     return get_tensor_model_parallel_rank()
 
 
+def rank_config(vllm_config: VllmConfig, extra: dict[str, Any], tp_rank: int) -> EngineConfig:
+    """The engine settings of TP rank ``tp_rank`` of this DP engine: port base + dp_index x tp_size + tp_rank.
+
+    The DP index is vLLM's ``data_parallel_index`` (set per engine core), not ``data_parallel_rank``,
+    which vLLM resets to 0 on every independent (dense) DP engine.
+    """
+    parallel = vllm_config.parallel_config
+    return EngineConfig.from_dict(extra, tp_rank=tp_rank, tp_size=parallel.tensor_parallel_size,
+                                  dp_index=parallel.data_parallel_index)
+
+
 def incarnation_of(vllm_config: VllmConfig) -> int:
     """One value for every process of one engine launch, a new one at each launch (JSON-safe: < 2**48).
 
@@ -85,7 +97,8 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
             block_size = next(groups[g].kv_cache_spec.block_size for g, attn in
                               zip(kv_cache_config.transfer_group_ids, _attention_flags(kv_cache_config), strict=True)
                               if attn)
-            config = EngineConfig.from_dict(self._extra)  # a bad setting fails the engine at start, not later
+            # A bad setting (its highest rank port included) fails the engine at start, not later.
+            config = rank_config(vllm_config, self._extra, vllm_config.parallel_config.tensor_parallel_size - 1)
             self._scheduler = SchedulerSide(vllm_config, kv_cache_config, group_map, block_size,
                                             secret=load_secret(config.secret_file))
 
@@ -95,7 +108,7 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = tensor_parallel_rank()
         engine = wrap_engine_cache(self._vllm_config, self._kv_cache_config, kv_caches, tp_rank)
         kvt = self._kv_transfer_config
-        self._worker = WorkerSide(engine, EngineConfig.from_dict(self._extra, tp_rank=tp_rank), engine_id=kvt.engine_id,
+        self._worker = WorkerSide(engine, rank_config(self._vllm_config, self._extra, tp_rank), engine_id=kvt.engine_id,
                                   incarnation=incarnation_of(self._vllm_config), is_producer=kvt.is_kv_producer,
                                   is_consumer=kvt.is_kv_consumer)
 
