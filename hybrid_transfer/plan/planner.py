@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
+from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
@@ -40,7 +41,10 @@ from hybrid_transfer.plan.validate import (
 
 _FRAME_CACHE_SIZE = 64
 _SEEN_CACHE_SIZE = 1024
-_EQUAL_FIELDS = ("kv_dtype", "ssm_dtype", "conv_layout", "ssm_order", "kv_layout")
+_LAYOUT_FIELDS = ("conv_layout", "ssm_order", "kv_layout")
+# Every dtype a descriptor carries must be equal on both sides (an item size read with the other side's dtype is
+# wrong bytes, not an error): found by name, so a dtype field added to RankDescriptor is checked without an edit.
+_DTYPE_FIELDS = tuple(f for f in RankDescriptor.__struct_fields__ if f.endswith("_dtype"))
 
 
 class Planner:
@@ -71,7 +75,7 @@ class Planner:
         # Every remote descriptor is checked against its geometry, not only the ones this rank reads.
         all_geos = [geometry_from_descriptor(model, d) for d in self.remote_descs]
         geos = {s: all_geos[s] for s in self.topology.sources}
-        self._check_equal_fields()
+        self._check_equal_fields(all_geos)
         self.remote = geos[self.topology.sources[0]]  # block sizes are equal across the engine
         pairs = assign_kv_heads(self.local, geos)
         self.templates: tuple[SourceTemplate, ...] = tuple(
@@ -131,12 +135,14 @@ class Planner:
                                     decode_tp=decode_tp, field=name)
         return prefill_tp
 
-    def _check_equal_fields(self) -> None:
+    def _check_equal_fields(self, remotes: Sequence[RankGeometry]) -> None:
+        """Layouts and dtypes equal on every rank; a dtype is compared as each geometry resolves it (a
+        descriptor's empty ``conv_dtype`` means the model dtype)."""
         diffs = []
-        for name in _EQUAL_FIELDS:
-            ours = getattr(self.local_desc, name)
-            for desc in self.remote_descs:
-                theirs = getattr(desc, name)
+        for name in (*_DTYPE_FIELDS, *_LAYOUT_FIELDS):
+            ours = _resolved(name, self.local_desc, self.local)
+            for desc, geometry in zip(self.remote_descs, remotes, strict=True):
+                theirs = _resolved(name, desc, geometry)
                 if theirs != ours:
                     diffs.append((name, ours, theirs))
                     break
@@ -316,3 +322,10 @@ def to_pack(direct: SourcePlan, tpl: SourceTemplate, remote_block_ids: Sequence[
     """
     layout = stage_layout(tpl.geometry, tpl.tensor_addrs, remote_block_ids, num_tokens)
     return PackSourcePlan(direct, layout, map_rows(layout, direct.local_addr, direct.remote_addr, direct.length))
+
+
+def _resolved(name: str, desc: RankDescriptor, geometry: RankGeometry) -> object:
+    """A descriptor field as the rank's geometry reads it: dtypes by their resolved name, the rest as sent."""
+    if name in _DTYPE_FIELDS and hasattr(geometry, name):
+        return getattr(geometry, name).value
+    return getattr(desc, name)

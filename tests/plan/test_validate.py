@@ -200,3 +200,42 @@ def test_planner_expected_bytes_agrees_with_independent_figure(planner):
     end = min(-(-N // planner.local.block_size) * planner.local.block_size,
               -(-N // planner.remote.block_size) * planner.remote.block_size)
     assert planner.plan(*good(), N, PlanMode.NAIVE).expected_bytes == expected_bytes(planner.local, end)
+
+
+# ---- equal fields: every dtype, from real caches through describe_cache (issue 19, row 8) ----------------
+
+
+def _tiny_descriptor(tp_size: int, tp_rank: int, **options):
+    from tiny_model import TINY_CONFIG
+
+    from hybrid_transfer.cache import HybridCache
+    from hybrid_transfer.layout import CacheOptions, model_from_config
+    from hybrid_transfer.planner_input import describe_cache
+
+    model = model_from_config(TINY_CONFIG, name="tiny")
+    cache = HybridCache.allocate(RankGeometry(model, tp_size, tp_rank, CacheOptions(**options)), 8)
+    return model, describe_cache(cache)
+
+
+@pytest.mark.parametrize(("field", "ours", "theirs"), [
+    ("conv_dtype", "bfloat16", "float32"),
+    ("conv_dtype", None, "float32"),  # "" on the wire (the model dtype) against an override
+    ("ssm_dtype", "float32", "bfloat16"),
+    ("kv_dtype", "bfloat16", "float16"),
+])
+def test_a_peer_whose_dtype_differs_is_refused_naming_the_field(field, ours, theirs):
+    from hybrid_transfer.errors import FingerprintMismatch
+
+    model, local = _tiny_descriptor(1, 0, **({field: ours} if ours else {}))
+    _, remote = _tiny_descriptor(1, 0, **{field: theirs})
+    with pytest.raises(FingerprintMismatch) as info:
+        Planner(model, local, [remote])
+    assert [d[0] for d in info.value.differences] == [field] and field in str(info.value)
+    assert info.value.differences[0][2] == theirs
+
+
+def test_a_dtype_left_to_the_model_equals_the_same_dtype_named():
+    model, local = _tiny_descriptor(1, 0)
+    _, remote = _tiny_descriptor(1, 0, conv_dtype=model.dtype.value)
+    assert local.conv_dtype == "" or local.conv_dtype == remote.conv_dtype
+    Planner(model, local, [remote])  # the resolved dtypes are equal: no refusal
