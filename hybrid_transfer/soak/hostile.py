@@ -18,6 +18,10 @@ def _huge_int(_: dict, rng: random.Random) -> int:
     return 2 ** rng.choice((64, 100, 4096, 100_000))
 
 
+def _huge_digits(_: dict, rng: random.Random) -> str:
+    return "9" * rng.choice((20, 64, 5000))  # a decimal string past int64 (and past Python's str->int limit)
+
+
 def _garbage_address(_: dict, rng: random.Random) -> list[str]:
     return [rng.choice(("garbage", "tcp://", "tcp://127.0.0.1:99999", "tcp://[::1", "ipc:///tmp/x",
                         "tcp://203.0.113.9:5600", "tcp://" + "a" * 300 + ":1", "tcp://127.0.0.1:-1"))]
@@ -46,8 +50,8 @@ MUTATIONS: dict[str, Mutation] = {
     "addresses:other_port": _other_port,
     "tp_size": lambda p, rng: rng.choice((0, -1, _huge_int(p, rng), "2", 1.0, True)),
     "version": lambda p, rng: rng.choice((_huge_int(p, rng), -1, "7", None)),
-    "nonce": lambda p, rng: rng.choice((str(_huge_int(p, rng)), "-1", "0x10", 5, "")),
-    "incarnation": lambda p, rng: rng.choice((str(_huge_int(p, rng)), "abc", -3)),
+    "nonce": lambda p, rng: rng.choice((_huge_digits(p, rng), "-1", "0x10", 5, "")),
+    "incarnation": lambda p, rng: rng.choice((_huge_digits(p, rng), "abc", -3)),
     "engine_id": lambda p, rng: rng.choice(("x" * 100_000, 12, "", None)),
     "request_id": lambda p, rng: rng.choice(("r" * 10_000, 7, None)),
     "block_ids": _block_ids,
