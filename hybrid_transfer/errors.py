@@ -324,6 +324,22 @@ class FenceError(HybridTransferError, ValueError):
         self.finished_step = finished_step
 
 
+class HoldCapacityError(HybridTransferError):
+    """A producer rank refused a hold: it would pin more blocks than ``EngineConfig.max_held_blocks``.
+
+    ``held``: blocks pinned now; ``asked``: blocks the hold would add (those not pinned already); ``cap``: the
+    limit. Raised before anything is pinned (docs/limits.md).
+    """
+
+    def __init__(self, *, request_id: str, held: int, asked: int, cap: int):
+        super().__init__(f"request {request_id!r}: holding it would pin {asked} more blocks on top of the {held} "
+                         f"held, above max_held_blocks={cap}; nothing was pinned")
+        self.request_id = request_id
+        self.held = held
+        self.asked = asked
+        self.cap = cap
+
+
 class BlockBusyError(HybridTransferError, ValueError):
     """Local blocks still owned by another request (reading, or quarantined until nothing can write them)."""
 

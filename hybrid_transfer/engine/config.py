@@ -95,6 +95,10 @@ HOST_BACKEND_DEFAULTS: tuple[int, int | None] = (0, None)
 # the post and there is no core to spare.
 GPU_POST_THREAD = False
 HOST_POST_THREAD = False
+# A producer rank's cap on pinned blocks when max_held_blocks is None: held requests are finished prefills waiting
+# for their readers, so under load they are a small share of the cache; half keeps the other half for the engine's
+# running prefills even when clients ask for remote decode and nobody reads (docs/limits.md#held-blocks).
+DEFAULT_HELD_FRACTION = 0.5
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
@@ -165,6 +169,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         claimed a request it still holds are alive (one NIXL notification each; docs/lifecycle.md,
         "Fast reclaim"). NIXL reporting one disconnected ends its requests at once instead of at the
         lease. 0 turns the check off: the lease is then the only way back for a dead consumer's blocks.
+    max_held_blocks: at most this many blocks a producer rank keeps pinned for holds (ended ones waiting
+        for their step fences included); a ``hold()`` that would pin more raises HoldCapacityError before
+        pinning anything (docs/limits.md#held-blocks). None: half the rank's cache blocks
+        (DEFAULT_HELD_FRACTION), so tickets nobody reads cannot take the cache a prefill engine runs on.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -192,6 +200,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     secret_file: str | None = None
     side_channel_curve: bool = False
     peer_probe_s: float = 1.0
+    max_held_blocks: int | None = None
     post_thread: bool | None = None
 
     def validate(self) -> EngineConfig:
@@ -211,6 +220,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if not isinstance(self.peer_probe_s, (int, float)) or isinstance(self.peer_probe_s, bool) or (
                 not math.isfinite(self.peer_probe_s) or self.peer_probe_s < 0):
             _bad("peer_probe_s", self.peer_probe_s, "must be a finite number of seconds >= 0 (0: off)")
+        if self.max_held_blocks is not None and (not _is_int(self.max_held_blocks) or self.max_held_blocks < 1):
+            _bad("max_held_blocks", self.max_held_blocks, "must be a positive integer or None (half the cache)")
         if self.heartbeat_every_s >= self.lease_s:
             _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
         if not isinstance(self.early_completion_limit, int) or self.early_completion_limit <= 0:
@@ -334,6 +345,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 c in host for c in "/ \t\n"):
             _bad("advertise_host", host, "must be a host name or address other hosts can reach (not a wildcard, "
                  "not a URL)")
+
+    def held_blocks_cap(self, num_blocks: int) -> int:
+        """The most blocks a producer rank over a cache of ``num_blocks`` blocks keeps pinned (``max_held_blocks``)."""
+        if self.max_held_blocks is not None:
+            return self.max_held_blocks
+        return max(1, int(num_blocks * DEFAULT_HELD_FRACTION))
 
     @property
     def heartbeat_every_s(self) -> float:
