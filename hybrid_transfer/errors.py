@@ -186,13 +186,18 @@ class HandshakeError(HybridTransferError):
     """A producer and a consumer cannot work together; nothing was transferred.
 
     ``differences`` lists (field, consumer value, producer value) for every equal-tier field that differs.
+    ``cause``: one word a consumer can act on (docs/security.md#links): the producer's refusal cause
+    ("secret", "capacity", "incompatible", "busy"), or the consumer's own ("timeout", "unreachable",
+    ...); "" when not known.
     """
 
     def __init__(self, message: str, *, address: str | None = None,
-                 differences: Sequence[tuple[str, Any, Any]] = (), engine_key: tuple[str, int] | None = None):
+                 differences: Sequence[tuple[str, Any, Any]] = (), engine_key: tuple[str, int] | None = None,
+                 cause: str = ""):
         self.address = address
         self.differences = tuple(differences)
         self.engine_key = engine_key  # (engine_id, incarnation) of the refusing engine, when it said
+        self.cause = cause
         parts = [f"{name}: consumer={ours!r} producer={theirs!r}" for name, ours, theirs in self.differences]
         where = f" (producer {address})" if address else ""
         super().__init__(f"handshake failed{where}: {message}" + (": " + "; ".join(parts) if parts else ""))
@@ -202,7 +207,7 @@ class HandshakeTimeout(HandshakeError):
     """A producer rank did not answer the handshake within ``timeout_s``."""
 
     def __init__(self, *, address: str, timeout_s: float):
-        super().__init__(f"no reply within {timeout_s} s", address=address)
+        super().__init__(f"no reply within {timeout_s} s", address=address, cause="timeout")
         self.timeout_s = timeout_s
 
 
@@ -215,6 +220,14 @@ class TicketError(HybridTransferError, ValueError):
         self.values = values
         for key, value in values.items():
             setattr(self, key, value)
+
+
+class ProducerNotAllowedError(TicketError):
+    """A ticket names a producer address that ``EngineConfig.allowed_producers`` does not list; nothing connected."""
+
+    def __init__(self, *, request_id: str, address: str):
+        super().__init__(f"producer address {address} is not in EngineConfig.allowed_producers: not connecting",
+                         request_id=request_id, address=address)
 
 
 class StatePositionError(TicketError):
