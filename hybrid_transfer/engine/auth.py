@@ -10,8 +10,10 @@ Handshake, both sides proving the secret without sending it:
   3. consumer -> producer: the same HandshakeRequest with ``sn`` and its own proof ("consumer" | ...);
   4. producer -> consumer: the accepted reply (agent metadata), only now.
 Both then hold the link key HMAC(secret, "link" | cn | sn | producer agent | consumer agent): bound
-to both NIXL agent names and fresh per handshake. A server nonce is used once and forgotten after
-a deadline, in a table of bounded size.
+to both NIXL agent names and fresh per handshake. The producer keeps nothing between steps 2 and 3:
+its server nonce is a MAC under a per-process key (``Challenges``), so a flood of first requests
+cannot evict an honest consumer's challenge; an accepted exchange is remembered (bounded, until its
+nonce's deadline) only to refuse its replay.
 
 Every NIXL notification between the two agents is then a Sealed envelope: the inner message, a
 counter that strictly increases per link and direction (NIXL notifications are ordered per
@@ -21,6 +23,7 @@ replayed notification fails ``Link.open``.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import hmac
 import logging
@@ -29,7 +32,7 @@ import secrets
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hybrid_transfer.engine.log_gate import LogGate
@@ -137,38 +140,86 @@ def same(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
-class Challenges:
-    """Server nonces a producer rank issued and not yet seen answered; the listener thread only.
+class Verdict(enum.Enum):
+    """What ``Challenges.take`` made of a proven request's server nonce (docs/security.md#handshake)."""
 
-    Bounded: at most ``capacity`` (the oldest go first), each valid ``deadline_s`` on the
-    producer's clock, and used at most once.
+    FRESH = "fresh"  # issued by this rank within the deadline, never accepted before: go on
+    STALE = "stale"  # issued by this rank, but longer ago than the deadline (or in its future)
+    FORGED = "forged"  # not a nonce this rank issued to this (agent, client nonce)
+    REPLAYED = "replayed"  # already accepted once
+    FULL = "full"  # the record of accepted exchanges is full of live entries: refused, try later
+
+
+class Challenges:
+    """Server nonces that need no state before the proof: a flood of first requests cannot push one out.
+
+    A server nonce is the producer's clock at issue (8 bytes, milliseconds) followed by the first 24 bytes of
+    HMAC(process key, consumer agent, client nonce, issue time): the process key is drawn at start and never
+    leaves this object, so only this rank can mint a nonce, and checking one needs nothing but the key.
+    A nonce is valid ``deadline_s`` after its issue, and accepted at most once: a record of accepted
+    exchanges, each kept until its nonce's deadline, at most ``capacity`` of them. When the record is full
+    of live entries, a new proof is refused (``Verdict.FULL``, counted) rather than an entry forgotten,
+    since a forgotten entry could be replayed. Only a peer that proved the secret adds to the record.
+    Thread-safe; the listener thread is the only caller in an engine.
     """
 
     def __init__(self, clock: Callable[[], float], deadline_s: float, capacity: int):
         self._clock = clock
-        self._deadline_s = deadline_s
+        self._deadline_ms = int(deadline_s * 1000)
         self._capacity = capacity
+        self._key = secrets.token_bytes(32)  # the process key (never in a repr: object's default repr)
         self._lock = threading.Lock()
-        self._issued: OrderedDict[tuple[str, bytes], tuple[bytes, float]] = OrderedDict()
+        self._accepted: OrderedDict[bytes, int] = OrderedDict()  # server nonce -> its expiry (ms), oldest first
+        self.num_full = 0  # proofs refused because the record was full
+
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    def _mint(self, consumer_agent: str, cn: bytes, issued_ms: int) -> bytes:
+        stamp = issued_ms.to_bytes(8, "big", signed=True)
+        return stamp + _mac(self._key, b"server nonce", consumer_agent, cn, stamp)[: NONCE_BYTES - 8]
 
     def issue(self, consumer_agent: str, cn: bytes) -> bytes:
-        sn = new_nonce()
-        with self._lock:
-            self._issued.pop((consumer_agent, cn), None)
-            self._issued[(consumer_agent, cn)] = (sn, self._clock())
-            while len(self._issued) > self._capacity:
-                self._issued.popitem(last=False)
-        return sn
+        """A server nonce for (agent, cn); nothing is stored."""
+        return self._mint(consumer_agent, cn, self._now_ms())
 
-    def take(self, consumer_agent: str, cn: bytes, sn: bytes) -> bool:
-        """True once for the server nonce issued to (agent, cn), if it is still valid."""
+    def check(self, consumer_agent: str, cn: bytes, sn: bytes) -> Verdict:
+        """Whether ``sn`` is a nonce this rank issued to (agent, cn), still valid and never accepted; records nothing."""
+        if len(sn) != NONCE_BYTES:
+            return Verdict.FORGED
+        issued_ms = int.from_bytes(sn[:8], "big", signed=True)
+        if not same(sn, self._mint(consumer_agent, cn, issued_ms)):
+            return Verdict.FORGED
+        age = self._now_ms() - issued_ms
+        if not 0 <= age < self._deadline_ms:
+            return Verdict.STALE
         with self._lock:
-            entry = self._issued.pop((consumer_agent, cn), None)
-        return entry is not None and same(entry[0], sn) and self._clock() - entry[1] < self._deadline_s
+            return Verdict.REPLAYED if sn in self._accepted else Verdict.FRESH
+
+    def take(self, consumer_agent: str, cn: bytes, sn: bytes) -> Verdict:
+        """``check``, and when FRESH record the exchange as accepted (so it is FRESH once only)."""
+        verdict = self.check(consumer_agent, cn, sn)
+        if verdict is not Verdict.FRESH:
+            return verdict
+        now = self._now_ms()
+        with self._lock:
+            if sn in self._accepted:  # another thread took it meanwhile
+                return Verdict.REPLAYED
+            while self._accepted:  # entries expire in the order they were issued, near enough: prune the front
+                first_sn, expiry = next(iter(self._accepted.items()))
+                if expiry > now:
+                    break
+                del self._accepted[first_sn]
+            if len(self._accepted) >= self._capacity:
+                self.num_full += 1
+                return Verdict.FULL
+            self._accepted[sn] = int.from_bytes(sn[:8], "big", signed=True) + self._deadline_ms
+        return Verdict.FRESH
 
     def __len__(self) -> int:
+        """Accepted exchanges remembered (to refuse their replay)."""
         with self._lock:
-            return len(self._issued)
+            return len(self._accepted)
 
 
 class Rejected(Exception):
@@ -183,7 +234,7 @@ class Rejected(Exception):
 class Link:
     """One authenticated link's key and counters, as one side sees it."""
 
-    key: bytes
+    key: bytes = field(repr=False)  # never in a repr (docs/security.md)
     send_label: bytes  # TO_PRODUCER on a consumer, TO_CONSUMER on a producer
     recv_label: bytes
     sent: int = 0  # counter of the last message sealed

@@ -15,6 +15,7 @@ reply (agent metadata, region addresses) goes only to a consumer whose proof che
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -60,8 +61,13 @@ class ListenerStats:
     """Counters written only by the listener thread (single writer; readers may see them lag)."""
 
     accepted: int = 0
-    rejected: int = 0
+    rejected: int = 0  # refusals, every cause (``causes`` splits them)
     garbage: int = 0
+    causes: Counter[str] = field(default_factory=Counter)  # refusals by wire.REFUSAL_CAUSES word
+
+    def refused(self, cause: str) -> None:
+        self.rejected += 1
+        self.causes[cause] += 1
 
 
 @dataclass
@@ -70,8 +76,10 @@ class ListenerAuth:
 
     secret: bytes = field(repr=False)
     challenges: auth.Challenges = field(repr=False)
-    challenged: int = 0  # first requests answered with a challenge
+    challenged: int = 0  # first requests answered with a challenge (nothing is stored for them: auth.Challenges)
     unauthenticated: int = 0  # requests refused for a missing or wrong proof (also counted as rejected)
+    stale: int = 0  # proofs over a challenge older than the deadline (refused with cause "busy": retry)
+    replayed: int = 0  # proofs of an exchange already accepted (refused with cause "secret")
 
 
 def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Callable[..., None],
@@ -97,10 +105,11 @@ def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Cal
     diffs = fingerprint_diff(request.fingerprint, card.fingerprint)  # (field, consumer, producer)
     error = "fields that must be equal differ" if diffs else _incompatible(card, request.rank)
     if error:
-        stats.rejected += 1
+        stats.refused("incompatible")
         reply = wire.HandshakeReply(
-            accepted=False, error=error, engine_id=card.engine_id, incarnation=card.incarnation,
-            differences=tuple(wire.FieldDifference(name, c, p) for name, c, p in diffs),
+            accepted=False, error=f"refused (incompatible): {error}", engine_id=card.engine_id,
+            incarnation=card.incarnation, differences=tuple(wire.FieldDifference(name, c, p) for name, c, p in diffs),
+            cause="incompatible",
         )
         return wire.encode(reply, card.digest)
     if key is None:
@@ -113,31 +122,51 @@ def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Cal
 
 def _authenticate(card: ProducerCard, request: wire.HandshakeRequest, stats: ListenerStats,
                   secured: ListenerAuth) -> tuple[bytes | None, bytes]:
-    """(the link key, b"") when the request proves the secret; else (None, the reply to send instead)."""
+    """(the link key, b"") when the request proves the secret; else (None, the reply to send instead).
+
+    Nothing is stored before a proof checks (auth.Challenges): a first request costs the listener two MACs.
+    """
     cn = request.client_nonce
     if len(cn) != auth.NONCE_BYTES:
-        stats.rejected += 1
         secured.unauthenticated += 1
-        return None, _refusal(card, "this producer requires authentication: set the same shared secret on the consumer "
-                              f"(${auth.SECRET_ENV} or EngineConfig.secret_file)")
+        return None, _refusal(card, stats, "secret", "this producer requires authentication: set the same shared secret "
+                              f"on the consumer (${auth.SECRET_ENV} or EngineConfig.secret_file)")
     if not request.proof:
         secured.challenged += 1
         sn = secured.challenges.issue(request.agent_name, cn)
         mine = auth.proof(secured.secret, "producer", cn, sn, card.agent_name, request.agent_name)
         return None, wire.encode(wire.AuthChallenge(server_nonce=sn, proof=mine, agent_name=card.agent_name),
                                  card.digest)
-    expected = auth.proof(secured.secret, "consumer", cn, request.server_nonce, card.agent_name, request.agent_name)
-    if not secured.challenges.take(request.agent_name, cn, request.server_nonce) or not auth.same(
-            expected, request.proof):
-        stats.rejected += 1
-        secured.unauthenticated += 1
-        return None, _refusal(card, "authentication failed: wrong shared secret, or a stale or replayed challenge")
-    return auth.link_key(secured.secret, cn, request.server_nonce, card.agent_name, request.agent_name), b""
+    sn = request.server_nonce
+    verdict = secured.challenges.check(request.agent_name, cn, sn)
+    if verdict is auth.Verdict.FRESH:
+        expected = auth.proof(secured.secret, "consumer", cn, sn, card.agent_name, request.agent_name)
+        if not auth.same(expected, request.proof):
+            verdict = auth.Verdict.FORGED
+        else:  # recorded only now, after the proof: the record of accepted exchanges refuses a replay
+            verdict = secured.challenges.take(request.agent_name, cn, sn)
+    if verdict is auth.Verdict.FRESH:
+        return auth.link_key(secured.secret, cn, sn, card.agent_name, request.agent_name), b""
+    if verdict is auth.Verdict.STALE:
+        secured.stale += 1
+        return None, _refusal(card, stats, "busy", "the challenge expired before its proof arrived (the producer waits "
+                              "pending_handshake_s): handshake again")
+    if verdict is auth.Verdict.FULL:
+        return None, _refusal(card, stats, "capacity", "too many handshakes accepted within pending_handshake_s: "
+                              "handshake again later")
+    secured.unauthenticated += 1
+    if verdict is auth.Verdict.REPLAYED:
+        secured.replayed += 1
+        return None, _refusal(card, stats, "secret", "authentication failed: this exchange was already accepted (a replay)")
+    return None, _refusal(card, stats, "secret", "authentication failed: wrong shared secret, or a challenge this "
+                          "producer did not issue")
 
 
-def _refusal(card: ProducerCard, error: str) -> bytes:
-    """A refusal before authentication: it names no engine, incarnation or field."""
-    return wire.encode(wire.HandshakeReply(accepted=False, error=error), card.digest)
+def _refusal(card: ProducerCard, stats: ListenerStats, cause: str, error: str) -> bytes:
+    """A refusal before authentication, counted by cause: it names no engine, incarnation or field."""
+    stats.refused(cause)
+    reply = wire.HandshakeReply(accepted=False, error=f"refused ({cause}): {error}", cause=cause)
+    return wire.encode(reply, card.digest)
 
 
 def _incompatible(card: ProducerCard, consumer: RankDescriptor) -> str:

@@ -24,7 +24,7 @@ from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import Consumer, EngineConfig, Producer, auth, handshake, wire
 from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, ProducerCard
 from hybrid_transfer.errors import ConfigError, HandshakeError, WireDecodeError
-from hybrid_transfer.layout import RankGeometry, fingerprint_of, model_from_config
+from hybrid_transfer.layout import CacheOptions, RankGeometry, fingerprint_of, model_from_config
 from hybrid_transfer.plan.rank import describe_rank
 from hybrid_transfer.verify import RequestLayout
 
@@ -82,18 +82,35 @@ def test_a_link_accepts_each_message_once_in_order_and_never_its_own_reflected()
         auth.Link.for_producer(b"x" * 32).check(*consumer.seal(b"m"), b"m")
 
 
-def test_challenges_are_single_use_bounded_and_expire():
+def test_challenges_store_nothing_before_the_proof_and_are_accepted_once_within_their_deadline():
     now = [0.0]
     table = auth.Challenges(lambda: now[0], deadline_s=10.0, capacity=2)
     sn = table.issue("a", b"n" * 32)
-    assert table.take("a", b"n" * 32, sn) and not table.take("a", b"n" * 32, sn)
-    old = table.issue("a", b"1" * 32)
-    table.issue("b", b"2" * 32)
-    table.issue("c", b"3" * 32)
-    assert len(table) == 2 and not table.take("a", b"1" * 32, old)  # evicted by the cap
+    assert len(sn) == auth.NONCE_BYTES and len(table) == 0  # issuing stores nothing
+    for _ in range(5000):  # a flood of first requests: still nothing stored
+        table.issue("flood", auth.new_nonce())
+    assert len(table) == 0
+    assert table.check("b", b"n" * 32, sn) is auth.Verdict.FORGED  # bound to the agent ...
+    assert table.check("a", b"m" * 32, sn) is auth.Verdict.FORGED  # ... and to the client nonce
+    assert table.check("a", b"n" * 32, sn[:-1] + bytes([sn[-1] ^ 1])) is auth.Verdict.FORGED
+    assert table.check("a", b"n" * 32, b"short") is auth.Verdict.FORGED
+    other = auth.Challenges(lambda: now[0], deadline_s=10.0, capacity=2)  # another process key
+    assert other.check("a", b"n" * 32, sn) is auth.Verdict.FORGED
+    assert table.take("a", b"n" * 32, sn) is auth.Verdict.FRESH
+    assert table.take("a", b"n" * 32, sn) is auth.Verdict.REPLAYED and len(table) == 1
+    # The record of accepted exchanges is bounded: full of live entries, a new proof is refused, never one forgotten.
+    assert table.take("b", b"2" * 32, table.issue("b", b"2" * 32)) is auth.Verdict.FRESH
+    third = table.issue("c", b"3" * 32)
+    assert table.take("c", b"3" * 32, third) is auth.Verdict.FULL and table.num_full == 1
     late = table.issue("d", b"4" * 32)
+    now[0] = 9.999
+    assert table.check("d", b"4" * 32, late) is auth.Verdict.FRESH
     now[0] = 10.0
-    assert not table.take("d", b"4" * 32, late)
+    assert table.check("d", b"4" * 32, late) is auth.Verdict.STALE
+    # Past their deadlines the accepted entries are forgotten (a replay would be STALE anyway), making room.
+    fresh = table.issue("c", b"3" * 32)
+    assert table.take("c", b"3" * 32, fresh) is auth.Verdict.FRESH and len(table) == 1
+    assert table.check("a", b"n" * 32, sn) is auth.Verdict.STALE
 
 
 # ---- the listener's challenge-response, without sockets ----------------------------------------------
@@ -129,18 +146,83 @@ def test_metadata_goes_only_to_a_consumer_that_proved_the_secret():
     assert challenge.proof == auth.proof(SECRET, "producer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
     wrong = auth.proof(b"another-secret-0123456789", "consumer", cn, challenge.server_nonce, "prefill-p0",
                        "decode-c0")
-    assert not ask(_request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=wrong)).accepted
-    # A refused proof used up the challenge: even the right proof now needs a new one.
-    right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
-    assert not ask(_request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=right)).accepted
-    challenge = ask(_request(client_nonce=cn))
+    refused = ask(_request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=wrong))
+    assert not refused.accepted and refused.cause == "secret" and "(secret)" in refused.error
     right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
     second = _request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=right)
     reply = ask(second)
     assert reply.accepted and reply.agent_metadata == b"metadata"
     assert accepted == [("decode-c0", auth.link_key(SECRET, cn, challenge.server_nonce, "prefill-p0", "decode-c0"))]
-    assert not ask(second).accepted  # replaying the proven request gets nothing
-    assert (stats.accepted, stats.rejected, secured.challenged, secured.unauthenticated) == (1, 4, 2, 4)
+    replayed = ask(second)  # replaying the proven request gets nothing
+    assert not replayed.accepted and replayed.cause == "secret" and "replay" in replayed.error
+    assert (stats.accepted, stats.rejected, secured.challenged, secured.unauthenticated) == (1, 3, 1, 3)
+    assert stats.causes == {"secret": 3} and secured.replayed == 1
+
+
+def _prove(ask, cn: bytes, agent: str = "decode-c0") -> bytes:
+    challenge = ask(_request(client_nonce=cn)) if agent == "decode-c0" else None
+    assert isinstance(challenge, wire.AuthChallenge)
+    right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, "prefill-p0", agent)
+    return _request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=right)
+
+
+def test_every_refusal_names_its_cause_in_the_reply_and_its_text():
+    """Row 4: a refusal says secret, capacity, busy (a stale challenge) or incompatible, never blames the secret
+    for what was not the secret."""
+    now = [100.0]
+    card, stats = _card(), ListenerStats()
+    secured = ListenerAuth(SECRET, auth.Challenges(lambda: now[0], 5.0, 1))
+
+    def ask(data: bytes):
+        return wire.decode(handshake.answer(card, data, stats, lambda *a: None, secured))[1]
+
+    stale = _prove(ask, auth.new_nonce())
+    now[0] += 5.0
+    busy = ask(stale)
+    assert (busy.accepted, busy.cause) == (False, "busy") and "(busy)" in busy.error and "expired" in busy.error
+    assert ask(_prove(ask, auth.new_nonce())).accepted
+    full = ask(_prove(ask, auth.new_nonce()))  # the record of accepted exchanges holds 1
+    assert (full.accepted, full.cause) == (False, "capacity") and "(capacity)" in full.error
+    now[0] += 5.0
+    assert ask(_prove(ask, auth.new_nonce())).accepted  # the first one's deadline passed: room again
+    now[0] += 5.0
+    other = RankGeometry(MODEL, 1, 0, CacheOptions(kv_dtype="float32"))
+    cn = auth.new_nonce()
+    challenge = ask(_request(client_nonce=cn))
+    proof = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, "prefill-p0", "decode-c0")
+    data = handshake.make_request(fingerprint_of(other), describe_rank(other, [1 << 28, 1 << 30], 16), "decode-c0",
+                                  "decode", client_nonce=cn, server_nonce=challenge.server_nonce, proof=proof)
+    refused = ask(data)
+    assert (refused.accepted, refused.cause) == (False, "incompatible") and "(incompatible)" in refused.error
+    assert [d.field for d in refused.differences] == ["kv_dtype"]
+    nonce_less = ask(_request())
+    assert nonce_less.cause == "secret" and "requires authentication" in nonce_less.error
+    assert stats.causes == {"busy": 1, "capacity": 1, "incompatible": 1, "secret": 1} and stats.rejected == 4
+    assert set(stats.causes) <= set(wire.REFUSAL_CAUSES)
+
+
+def test_a_flood_of_first_requests_cannot_push_out_an_honest_challenge(secret_file):
+    """Row 4, producer half: thousands of first requests from a process that knows only the port arrive between an
+    honest consumer's challenge and its proof, through the real listener's answer function; the proof is accepted."""
+    with Producer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file,
+                                                                  max_pending_handshakes=64)) as producer:
+        def ask(data: bytes):
+            return wire.decode(producer._respond(data))[1]
+
+        cn = auth.new_nonce()
+        challenge = ask(_request(client_nonce=cn))
+        assert isinstance(challenge, wire.AuthChallenge)
+        flood_size = 50 * 64  # fifty times the pending-handshake cap
+        for i in range(flood_size):
+            flood = ask(handshake.make_request(fingerprint_of(GEOMETRY), describe_rank(GEOMETRY, [1, 2], 16),
+                                               f"flood-{i}", "flood", client_nonce=auth.new_nonce()))
+            assert isinstance(flood, wire.AuthChallenge)
+        right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, challenge.agent_name, "decode-c0")
+        reply = ask(_request(client_nonce=cn, server_nonce=challenge.server_nonce, proof=right))
+        assert isinstance(reply, wire.HandshakeReply) and reply.accepted, reply.error
+        assert reply.cause == "" and producer.listener_stats.accepted == 1
+        assert producer.listener_auth.challenged == flood_size + 1
+        assert producer.num_pending_handshakes == 1
 
 
 # ---- a forged handshake against a real producer's side channel ----------------------------------------
