@@ -42,6 +42,17 @@ class DeclineOrder:
     report: bool
 
 
+@dataclass(frozen=True)
+class FailOrder:
+    """Decode side: report a load that failed before any byte moved (kv_load_failure_policy "fail").
+
+    ``ticket``: the decoded ticket to decline, or None when none decoded (nobody to tell).
+    """
+
+    ticket: Ticket | None
+    reason: str
+
+
 @dataclass
 class HybridConnectorMetadata(KVConnectorMetadata):
     """One step's orders for every worker of the engine (each acts on its own rank)."""
@@ -50,6 +61,7 @@ class HybridConnectorMetadata(KVConnectorMetadata):
     reads: dict[str, ReadOrder] = field(default_factory=dict)
     aborts: list[str] = field(default_factory=list)  # decode: reads to abort (ids from earlier steps)
     declines: dict[str, DeclineOrder] = field(default_factory=dict)
+    fails: dict[str, FailOrder] = field(default_factory=dict)  # decode: report finished and failed at once
 
     def is_empty(self) -> bool:
-        return not (self.holds or self.reads or self.aborts or self.declines)
+        return not (self.holds or self.reads or self.aborts or self.declines or self.fails)

@@ -14,21 +14,30 @@ Decode (``do_remote_prefill`` and a ticket in the params): N-1 tokens (N for att
 models) are an asynchronous external hit; after allocation the read is ordered once; an abort
 while reading is forwarded; a request that ends before its read was ordered is declined, so
 the producer frees its blocks at once instead of at lease expiry.
+
+Params come from the client (vLLM's request body): ``on_new_request`` judges them whole
+(params.check_request_params) before anything acts on them, and no hook raises for a request.
+Refused hand-offs run as plain requests; refused loads follow vLLM's ``kv_load_failure_policy``:
+"fail" ends the request as an error before any decode compute (the workers report it failed at
+once, touching no network), "recompute" computes the prompt here. ``counts`` tallies both.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
 
+from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.tickets import EngineCard, issue_ticket
 from hybrid_transfer.engine.wire import Ticket
 from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.groups import GroupMap
-from hybrid_transfer.integrations.vllm.metadata import DeclineOrder, HybridConnectorMetadata, ReadOrder
+from hybrid_transfer.integrations.vllm.metadata import DeclineOrder, FailOrder, HybridConnectorMetadata, ReadOrder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,6 +50,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _HANDED_OFF = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+_MAX_REASON_CHARS = 200  # a refusal's reason as logged and sent to the workers (values may be huge)
+
+
+@dataclass(frozen=True)
+class _Load:
+    """A decode request's judged params, kept from on_new_request until its load is ordered or it ends.
+
+    ``ticket``: decoded (None when the params did not decode); ``refusal``: why it is not loaded
+    (None: load it).
+    """
+
+    ticket: Ticket | None
+    refusal: str | None = None
 
 
 class SchedulerSide:
@@ -49,6 +71,14 @@ class SchedulerSide:
     def __init__(self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group_map: GroupMap,
                  attention_block_size: int, *, secret: bytes | None = None):
         self.kv_cache_config = kv_cache_config
+        kvt = vllm_config.kv_transfer_config
+        self.fail_bad_loads = kvt.kv_load_failure_policy == "fail"
+        self._decode_only = kvt.is_kv_consumer and not kvt.is_kv_producer
+        # The producer ranks' cap on pinned blocks, applied before a ticket is issued: a refused
+        # hand-off gets no ticket and vLLM frees its blocks at once (docs/vllm.md#held-blocks).
+        config = EngineConfig.from_dict(dict(kvt.kv_connector_extra_config or {}))
+        self.max_held_blocks = config.held_blocks_cap(kv_cache_config.num_blocks)
+        self._held: dict[str, int] = {}  # handed-off request -> blocks it pins, until finished_sending
         self._secret = secret  # keys the tickets' MACs (engine/claims.py); the workers check them with theirs
         self.group_map = group_map
         self.block_size = attention_block_size
@@ -60,6 +90,13 @@ class SchedulerSide:
         self._declines: dict[str, DeclineOrder] = {}
         self._aborts: list[str] = []
         self._reading: set[str] = set()  # read ordered, not yet reported finished by the workers
+        self._fails: dict[str, FailOrder] = {}
+        # Live requests only: an entry leaves when its load is ordered or the request ends.
+        self._loads: dict[str, _Load] = {}
+        self._truncated: set[str] = set()  # prefill requests this connector cut (TRUNCATED is ours)
+        # params_refused: hand-offs run as plain requests; loads_failed / loads_recomputed: refused
+        # loads under kv_load_failure_policy "fail" / "recompute".
+        self.counts: Counter[str] = Counter()
 
     # ---- identity -----------------------------------------------------------------
     def set_card(self, card: EngineCard) -> None:
@@ -68,9 +105,50 @@ class SchedulerSide:
 
     # ---- prefill ------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
+        """Judge the client's params once, before vLLM or any hook reads them; then cut a hand-off to N-1."""
+        rid = request.request_id
         params = request.kv_transfer_params
-        if not params or not params.get(kvp.DO_REMOTE_DECODE):
+        try:
+            judged = kvp.check_request_params(params, internal_ok=rid in self._truncated)
+        except HybridTransferError as exc:
+            self._refuse(request, exc)
             return
+        if judged.role is kvp.Role.LOAD:
+            self._judge_load(request, judged.ticket)
+        elif judged.role is kvp.Role.HAND_OFF:
+            self._cut(request, params)
+
+    def _refuse(self, request: Request, exc: HybridTransferError) -> None:
+        """Params that failed the check: a load follows the failure policy, anything else runs as a plain request."""
+        rid = request.request_id
+        reason = _short(exc)
+        params = request.kv_transfer_params
+        if kvp.asks_to_load(params) or (self._decode_only and not isinstance(params, dict)):
+            log.error("hybrid-transfer: request %s: refused kv_transfer_params (%s): %s", rid,
+                      "fails" if self.fail_bad_loads else "computed locally", reason)
+            self._loads[rid] = _Load(None, reason)
+            # Truthy and inert: vLLM's own reads see no load, and finished_decode still runs at the end.
+            request.kv_transfer_params = {kvp.DO_REMOTE_PREFILL: False, kvp.DO_REMOTE_DECODE: False}
+        else:
+            log.error("hybrid-transfer: request %s: refused kv_transfer_params, not handed off: %s", rid, reason)
+            self.counts["params_refused"] += 1
+            request.kv_transfer_params = None
+
+    def _judge_load(self, request: Request, ticket: Ticket) -> None:
+        rid = request.request_id
+        expected = self._tokens_to_load(request)
+        refusal = None
+        if ticket.num_tokens != expected:
+            refusal = (f"a ticket for {ticket.num_tokens} tokens, its {len(request.prompt_token_ids or ())}-token "
+                       f"prompt needs {expected}")
+        elif len(ticket.block_ids) != len(self.group_map.attention_mask):
+            refusal = f"a ticket for {len(ticket.block_ids)} cache groups, this engine has {len(self.group_map.attention_mask)}"
+        if refusal is not None:
+            log.error("hybrid-transfer: request %s carries %s: %s", rid, refusal,
+                      "fails" if self.fail_bad_loads else "computed locally")
+        self._loads[rid] = _Load(ticket, refusal)
+
+    def _cut(self, request: Request, params: dict) -> None:
         if self.backoff and not params.get(kvp.TRUNCATED) and request.num_prompt_tokens > self.backoff \
                 and request.prompt_token_ids is not None:
             # Once per request: a preempted request comes back through the waiting queue, not here,
@@ -79,10 +157,12 @@ class SchedulerSide:
             del request._all_token_ids[-self.backoff:]
             request.num_prompt_tokens -= self.backoff
             params[kvp.TRUNCATED] = True
+            self._truncated.add(request.request_id)
         request.max_tokens = 1
 
     def finished_prefill(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         """A prefill request ended: issue its ticket and keep its blocks, or let vLLM free them."""
+        self._truncated.discard(request.request_id)
         if request.status not in _HANDED_OFF or not any(block_ids):
             return False, None
         if self.card is None:
@@ -92,6 +172,15 @@ class SchedulerSide:
         ours = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(block_ids))
         num_tokens = request.num_computed_tokens
         ours = self._clip(ours, num_tokens)
+        num_blocks = len({b for ids in ours for b in ids})
+        num_held = sum(self._held.values())
+        if num_held + num_blocks > self.max_held_blocks:
+            log.error("hybrid-transfer: %s is not handed off: its %d blocks on top of the %d held exceed "
+                      "max_held_blocks=%d; no ticket, vLLM frees its blocks now", request.request_id, num_blocks,
+                      num_held, self.max_held_blocks)
+            self.counts["hand_offs_refused"] += 1
+            return False, None
+        self._held[request.request_id] = num_blocks
         ticket = issue_ticket(self.card, request.request_id, ours, num_tokens, secret=self._secret)
         self._holds[request.request_id] = ticket
         return True, kvp.prefill_result(ticket)
@@ -110,21 +199,17 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         """N-1 prompt tokens (N for attention-only models) load asynchronously; anything else computes locally.
 
-        Called again and again while the request waits, so it only reads. A ticket that does not
-        decode, or that moves another number of tokens than this prompt needs, is logged and the
-        prompt computed here (update_state_after_alloc then declines it, so the producer frees).
+        Called again and again while the request waits, so it only reads. A refused load under
+        policy "fail" also counts as an asynchronous load: the workers then report it failed and
+        vLLM ends the request before computing anything (the only way 0.33 fails a request from
+        a connector). A local prefix hit computes here (update_state_after_alloc declines).
         """
-        params = request.kv_transfer_params
-        if not params or not params.get(kvp.DO_REMOTE_PREFILL) or kvp.TICKET not in params:
-            return 0, False
-        ticket = self._ticket_of(request)
-        if ticket is None:
+        load = self._load_of(request)
+        if load is None:
             return 0, False
         expected = self._tokens_to_load(request)
-        if ticket.num_tokens != expected:
-            log.error("hybrid-transfer: %s carries a ticket for %d tokens, its %d-token prompt needs %d: computed "
-                      "locally", request.request_id, ticket.num_tokens, len(request.prompt_token_ids or ()), expected)
-            return 0, False
+        if load.refusal is not None:
+            return (expected, True) if self.fail_bad_loads and expected > 0 else (0, False)
         if num_computed_tokens:
             # A local prefix hit: the read would overwrite shared cached blocks. Compute the rest here.
             log.info("hybrid-transfer: %s has %d tokens cached locally: not loaded", request.request_id,
@@ -132,25 +217,42 @@ class SchedulerSide:
             return 0, False
         return (expected, True) if expected > 0 else (0, False)
 
+    def _load_of(self, request: Request) -> _Load | None:
+        """The request's judged load, judging it now when vLLM's add_request did not (direct hook calls)."""
+        load = self._loads.get(request.request_id)
+        if load is None and kvp.asks_to_load(request.kv_transfer_params):  # the flag is cleared once ordered
+            self.on_new_request(request)
+            load = self._loads.get(request.request_id)
+        return load
+
     def _tokens_to_load(self, request: Request) -> int:
         n = len(request.prompt_token_ids or ())
         return n - self.backoff if n > self.backoff else n
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        rid = request.request_id
+        load = self._load_of(request)
+        if load is None:
+            return
+        del self._loads[rid]  # one transfer per request, whatever happens next
         params = request.kv_transfer_params
-        if not params or not params.get(kvp.DO_REMOTE_PREFILL) or kvp.TICKET not in params:
-            return
-        params[kvp.DO_REMOTE_PREFILL] = False  # one transfer per request, whatever happens next
-        ticket = self._ticket_of(request)
-        if ticket is None:
-            return
-        if num_external_tokens == 0:  # not loaded (local hit, refused ticket): the producer must still hear it
-            self._declines[request.request_id] = DeclineOrder(ticket, report=False)
+        if isinstance(params, dict) and params.get(kvp.DO_REMOTE_PREFILL):
+            params[kvp.DO_REMOTE_PREFILL] = False
+        if load.refusal is not None:
+            if num_external_tokens:
+                self.counts["loads_failed"] += 1
+                self._fails[rid] = FailOrder(load.ticket, load.refusal)
+                return
+            self.counts["loads_recomputed"] += 1
+        if num_external_tokens == 0 or load.refusal is not None:
+            # Not loaded (local hit, refused ticket): a producer the ticket names must still hear it.
+            if load.ticket is not None:
+                self._declines[rid] = DeclineOrder(load.ticket, report=False)
             return
         local = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(
             blocks.get_unhashed_block_ids_all_groups()))
-        self._reads[request.request_id] = ReadOrder(ticket, local, self._tokens_to_load(request))
-        self._reading.add(request.request_id)
+        self._reads[rid] = ReadOrder(load.ticket, local, self._tokens_to_load(request))
+        self._reading.add(rid)
 
     def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
         # Every transfer group: vLLM must not zero blocks the READ is filling.
@@ -159,13 +261,11 @@ class SchedulerSide:
     def finished_decode(self, request: Request) -> None:
         """A decode request ended: forward an abort of its read, or decline a read never ordered."""
         rid = request.request_id
-        params = request.kv_transfer_params or {}
-        if params.get(kvp.DO_REMOTE_PREFILL) and kvp.TICKET in params:
+        load = self._loads.pop(rid, None)
+        if load is not None:
             # Ended before update_state_after_alloc: vLLM does not wait for us, the producer does.
-            ticket = self._ticket_of(request)
-            if ticket is not None:
-                self._declines[rid] = DeclineOrder(ticket, report=False)
-            params[kvp.DO_REMOTE_PREFILL] = False
+            if load.ticket is not None:
+                self._declines[rid] = DeclineOrder(load.ticket, report=False)
             return
         order = self._reads.pop(rid, None)
         if order is not None:  # ordered this step, not yet sent to the workers: they never start it
@@ -175,25 +275,27 @@ class SchedulerSide:
                 and request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
             self._aborts.append(rid)
 
-    def _ticket_of(self, request: Request) -> Ticket | None:
-        try:
-            return kvp.ticket_of(request.kv_transfer_params, request.request_id)
-        except HybridTransferError as exc:
-            log.error("hybrid-transfer: request %s carries unusable kv_transfer_params: %s", request.request_id, exc)
-            return None
-
     # ---- every step ------------------------------------------------------------------
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> HybridConnectorMetadata:
         meta = HybridConnectorMetadata(holds=self._holds, reads=self._reads, aborts=self._aborts,
-                                       declines=self._declines)
-        self._holds, self._reads, self._aborts, self._declines = {}, {}, [], {}
+                                       declines=self._declines, fails=self._fails)
+        self._holds, self._reads, self._aborts, self._declines, self._fails = {}, {}, [], {}, {}
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_recving or ():
             self._reading.discard(rid)
+        for rid in output.finished_sending or ():
+            self._held.pop(rid, None)
 
     def describe(self) -> dict[str, Any]:
         """Pending orders, for tests and logs."""
         return {"holds": sorted(self._holds), "reads": sorted(self._reads), "aborts": list(self._aborts),
-                "declines": sorted(self._declines), "reading": sorted(self._reading)}
+                "declines": sorted(self._declines), "fails": sorted(self._fails), "reading": sorted(self._reading),
+                "loads": sorted(self._loads), "truncated": sorted(self._truncated), "held": dict(self._held),
+                "counts": dict(self.counts)}
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= _MAX_REASON_CHARS else text[:_MAX_REASON_CHARS] + "..."

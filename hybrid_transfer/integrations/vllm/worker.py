@@ -7,7 +7,12 @@ thread, once per engine step, which is exactly the engine's threading contract: 
 
 Failures are per request: vLLM 0.33 refuses block-level load errors for models with more than one
 cache group, so a failed read is reported in ``failed_recving`` (and ``finished_recving``) and vLLM
-recomputes the prompt.
+applies its ``kv_load_failure_policy`` (recompute the prompt, or end the request as an error).
+
+Nothing raises out of a hook: vLLM runs every hook for the whole batch, so an exception would
+fail every request of the step. Each order is acted on alone; whatever it raises, typed or not
+(a ZeroMQ or NIXL error), fails that request only and is logged. Every ticket is checked again
+here (params.recheck_ticket) before anything connects or pins.
 """
 
 from __future__ import annotations
@@ -20,9 +25,10 @@ from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.lifecycle.state import ReadState
 from hybrid_transfer.engine.producer import Producer
 from hybrid_transfer.engine.tickets import encode_rank_card
-from hybrid_transfer.errors import HybridTransferError
+from hybrid_transfer.errors import HybridTransferError, TicketError
+from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.geometry import EngineCache
-from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata, ReadOrder
+from hybrid_transfer.integrations.vllm.metadata import FailOrder, HandshakeCard, HybridConnectorMetadata, ReadOrder
 
 log = logging.getLogger(__name__)
 
@@ -61,17 +67,30 @@ class WorkerSide:
 
     # ---- each step ------------------------------------------------------------------
     def start(self, meta: HybridConnectorMetadata) -> None:
-        """Act on one step's orders; returns without waiting for the network."""
+        """Act on one step's orders; returns without waiting for the network, and never raises."""
         for rid, ticket in meta.holds.items():
-            self._hold(rid, ticket)
+            self._guarded("hold", rid, self._hold, rid, ticket)
         for rid, order in meta.reads.items():
-            self._read(rid, order)
+            if not self._guarded("read", rid, self._read, rid, order):
+                self._fail(rid, None)  # the untyped failure left nothing to decline with
         for rid in meta.aborts:
-            self._abort(rid)
+            self._guarded("abort", rid, self._abort, rid)
         for rid, decline in meta.declines.items():
-            self._decline(rid, decline.ticket)
+            self._guarded("decline", rid, self._decline, rid, decline.ticket)
             if decline.report:
                 self._finished_recving.add(rid)
+        for rid, fail in meta.fails.items():
+            self._guarded("fail", rid, self._fail_order, rid, fail)
+
+    def _guarded(self, what: str, rid: str, fn, *args) -> bool:
+        """Run one request's order; an exception of any type is logged and stays with that request."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - an untyped error must not fail the batch (docstring)
+            log.error("hybrid-transfer: rank %d: %s of %s failed: %s: %s", self.tp_rank, what, rid,
+                      type(exc).__name__, str(exc)[:200])
+            return False
+        return True
 
     def _hold(self, rid: str, ticket) -> None:
         producer = self.producer
@@ -79,25 +98,43 @@ class WorkerSide:
             log.error("hybrid-transfer: rank %d has no producer (kv_role) but was told to hold %s", self.tp_rank, rid)
             return
         try:
+            kvp.recheck_ticket(ticket)
             producer.hold(rid, ticket=ticket)  # refuses a ticket that disagrees with this rank, before pinning
-        except HybridTransferError as exc:
+        except Exception as exc:  # noqa: BLE001 - typed refusals (the held-blocks cap) and untyped alike
             # vLLM keeps the blocks until finished_sending. A consumer may still read them with the
             # ticket it got: release them only after the lease a held request would have had.
-            log.error("hybrid-transfer: rank %d cannot hold %s: %s", self.tp_rank, rid, exc)
+            log.error("hybrid-transfer: rank %d cannot hold %s (its blocks return to vLLM after %.0f s): %s",
+                      self.tp_rank, rid, self.config.lease_s, str(exc)[:200])
             self._unheld[rid] = time.monotonic() + self.config.lease_s
 
     def _read(self, rid: str, order: ReadOrder) -> None:
-        key = order.ticket.request_id
         try:
-            self.consumer.start_read(order.ticket, order.local_block_ids,
+            ticket = kvp.recheck_ticket(order.ticket)
+            _check_local_ids(order, ticket, self.engine.cache.num_blocks)
+        except HybridTransferError as exc:
+            log.error("hybrid-transfer: read of %s refused by the worker's check: %s", rid, str(exc)[:200])
+            self._fail(rid, None)  # a ticket the worker refuses is not trusted with a decline either
+            return
+        key = ticket.request_id
+        try:
+            self.consumer.start_read(ticket, order.local_block_ids,
                                      expected_state_position=order.expected_state_position)
         except HybridTransferError as exc:
-            log.error("hybrid-transfer: read of %s refused before any byte moved: %s", rid, exc)
-            self._finished_recving.add(rid)
-            self._failed_recving.add(rid)
-            self._decline(rid, order.ticket)  # the producer frees now, not at lease expiry
+            log.error("hybrid-transfer: read of %s refused before any byte moved: %s", rid, str(exc)[:200])
+            self._fail(rid, ticket)  # the producer frees now, not at lease expiry
             return
         self._reads[key] = (rid, order)
+
+    def _fail_order(self, rid: str, fail: FailOrder) -> None:
+        log.warning("hybrid-transfer: load of %s fails without moving a byte: %s", rid, fail.reason)
+        self._fail(rid, fail.ticket)
+
+    def _fail(self, rid: str, ticket) -> None:
+        """Report ``rid`` finished and failed receiving (vLLM applies kv_load_failure_policy); decline ``ticket``."""
+        self._finished_recving.add(rid)
+        self._failed_recving.add(rid)
+        if ticket is not None:
+            self._guarded("decline", rid, self._decline, rid, ticket)
 
     def _abort(self, rid: str) -> None:
         key = next((k for k, (r, _) in self._reads.items() if r == rid), None)
@@ -108,31 +145,44 @@ class WorkerSide:
         try:
             self.consumer.decline(ticket)
         except HybridTransferError as exc:  # the producer's lease frees its blocks instead
-            log.warning("hybrid-transfer: could not decline %s: %s", rid, exc)
+            log.warning("hybrid-transfer: could not decline %s: %s", rid, str(exc)[:200])
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
-        """(finished sending, finished receiving, failed receiving) since the last call."""
-        sending = set(self.producer.poll()) if self.producer is not None else set()
+        """(finished sending, finished receiving, failed receiving) since the last call; never raises."""
+        sending: set[str] = set()
+        if self.producer is not None:
+            try:
+                sending.update(self.producer.poll())
+            except Exception as exc:  # noqa: BLE001 - a poll failure must not fail the step (module docstring)
+                log.error("hybrid-transfer: rank %d: producer poll failed: %s: %s", self.tp_rank,
+                          type(exc).__name__, str(exc)[:200])
         now = time.monotonic()
         for rid in [r for r, at in self._unheld.items() if at <= now]:
             del self._unheld[rid]
             sending.add(rid)
         if self._consumer is not None:
-            for result in self._consumer.poll():
+            try:
+                results = self._consumer.poll()
+            except Exception as exc:  # noqa: BLE001 - as above; the consumer's deadlines still end its reads
+                log.error("hybrid-transfer: rank %d: consumer poll failed: %s: %s", self.tp_rank,
+                          type(exc).__name__, str(exc)[:200])
+                results = []
+            for result in results:
                 entry = self._reads.pop(result.request_id, None)
                 if entry is None:
                     continue
                 rid, order = entry
                 self._finished_recving.add(rid)
                 if result.state is ReadState.DONE:
-                    self._zero_tail(order)
+                    self._guarded("zero tail", rid, self._zero_tail, order)
                 elif result.state is ReadState.ABORTED:
                     # An abort that came before the producer link was ready told no producer rank:
                     # a decline does, once linked (a rank that already heard counts it as a duplicate).
-                    self._decline(rid, order.ticket)
+                    self._guarded("decline", rid, self._decline, rid, order.ticket)
                 elif result.state is ReadState.FAILED:
-                    log.warning("hybrid-transfer: read of %s failed (%s): vLLM recomputes it", rid, result.error)
-                    self._zero_attention_blocks(order)
+                    log.warning("hybrid-transfer: read of %s failed (%s): vLLM applies kv_load_failure_policy", rid,
+                                result.error)
+                    self._guarded("zero", rid, self._zero_attention_blocks, order)
                     self._failed_recving.add(rid)
         recving, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
@@ -183,3 +233,14 @@ class WorkerSide:
             if engine is not None:
                 engine.close()
 
+
+def _check_local_ids(order: ReadOrder, ticket, num_blocks: int) -> None:
+    """The scheduler's local block lists: one per ticket group, each id inside this rank's cache."""
+    if len(order.local_block_ids) != len(ticket.block_ids):
+        raise TicketError(f"{len(order.local_block_ids)} local block lists for {len(ticket.block_ids)} ticket groups",
+                          request_id=ticket.request_id)
+    for group in order.local_block_ids:
+        for block in group:
+            if not 0 <= block < num_blocks:
+                raise TicketError(f"local block {block} outside [0, {num_blocks})", request_id=ticket.request_id,
+                                  block_id=block)
