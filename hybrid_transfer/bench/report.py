@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from hybrid_transfer.bench import sizing, vllm_pool
 from hybrid_transfer.bench.coordinator import BenchResult, PointResult
-from hybrid_transfer.bench.spec import Device, Sweep, Variant
+from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Sweep, Variant
 from hybrid_transfer.bench.stats import VariantStats, ratio
 
 # Per-variant figures copied into the flat record, prefixed "naive_" / "ceiling_" / "copy_" for those three.
@@ -33,7 +34,11 @@ def common_record(result: BenchResult) -> dict[str, Any]:
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
         "kv_dtype": s.kv_dtype or "model", "kv_layout": s.kv_layout, "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
         "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size, "post_thread": s.post_thread,
+        "allocation": s.allocation,
     }
+    if s.allocation == "vllm-pool":  # what the churn ran in (the largest point's pools; bench/vllm_pool.py)
+        record["pool_blocks"] = [sizing.pool_blocks(s, True), sizing.pool_blocks(s, False)]
+        record["live_requests"] = vllm_pool.LIVE_PER_TIMED * s.requests
     if s.device is Device.CUDA:
         record["prefill_gpus"] = list(s.prefill_gpus)
         record["decode_gpus"] = list(s.decode_gpus)
@@ -87,8 +92,15 @@ def headline(result: BenchResult) -> str:
     if s.sweep is Sweep.NONE:
         mb = result.points[0].payload_bytes_per_request / 1e6
         return (f"{shape}  {p.tokens} tokens x {s.requests} requests ({mb:,.1f} MB each), concurrency "
-                f"{s.concurrency}, fragmentation {p.fragmentation}, mode {s.mode.value}")
+                f"{s.concurrency}, {_allocation(s, p)}, mode {s.mode.value}")
     return f"{shape}  sweep {s.sweep.value}, {s.requests} requests per point, concurrency {s.concurrency}"
+
+
+def _allocation(s: BenchSpec, p: Point) -> str:
+    if s.allocation == "vllm-pool":
+        return (f"vllm-pool ({sizing.pool_blocks(s, True):,} / {sizing.pool_blocks(s, False):,} blocks, "
+                f"{vllm_pool.LIVE_PER_TIMED * s.requests} live)")
+    return f"fragmentation {p.fragmentation}"
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:

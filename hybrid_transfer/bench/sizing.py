@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
+from hybrid_transfer.bench import vllm_pool
 from hybrid_transfer.bench.spec import BenchSpec, Point
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import LayerKind, RankGeometry, load_preset
@@ -33,8 +34,11 @@ def blocks_per_request(geo: RankGeometry, num_tokens: int) -> int:
 
 
 def pool_blocks(spec: BenchSpec, is_prefill: bool) -> int:
-    """Blocks per shared tensor on one side: every request of the largest point, disjoint (verify checks all)."""
+    """Blocks per shared tensor on one side: every request of the largest point, disjoint (verify checks all);
+    with vllm-pool, vLLM's null block and twice the requests live (bench/vllm_pool.py)."""
     geo = geometry(spec, is_prefill)
+    if spec.allocation == "vllm-pool":
+        return max(vllm_pool.bench_pool_blocks(geo, p.tokens, spec.requests) for p in spec.points)
     return max(1, max(spec.requests * blocks_per_request(geo, p.tokens) for p in spec.points))
 
 
@@ -60,9 +64,14 @@ def layouts(spec: BenchSpec, point: Point, point_index: int) -> tuple[list[Reque
     """(producer layouts, consumer layouts) of a point's requests: disjoint ids on each side.
 
     Every rank of one engine uses the same ids (the request model); the two sides draw theirs
-    independently, each with the point's fragmentation.
+    independently, each with the point's fragmentation or its own vllm-pool churn.
     """
     rng = np.random.default_rng([spec.seed, point_index])
+    if spec.allocation == "vllm-pool":  # each side its own churn, seeds drawn from the point's stream
+        seed_p, seed_d = (int(x) for x in rng.integers(0, 2**63 - 1, size=2))
+        return (vllm_pool.pool_layouts(geometry(spec, True), point.tokens, spec.requests, pool_blocks(spec, True), seed_p),
+                vllm_pool.pool_layouts(geometry(spec, False), point.tokens, spec.requests, pool_blocks(spec, False),
+                                       seed_d))
     counts = [point.tokens] * spec.requests
     producer = make_requests(geometry(spec, True), counts, pool_blocks(spec, True), rng, point.fragmentation)
     consumer = make_requests(geometry(spec, False), counts, pool_blocks(spec, False), rng, point.fragmentation)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import ClassVar
 
 import msgspec
 
@@ -78,6 +79,11 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: str = KVLayout.INTERLEAVED.value  # attention page layout of both sides (vLLM 0.33's default)
     split_batch_size: int | None = None  # EngineConfig.split_batch_size of every rank (None: its default)
     post_thread: bool | None = None  # EngineConfig.post_thread of every decode rank (None: its default)
+    # How block ids are drawn: "fragmentation" (verify.make_requests with --fragmentation) or "vllm-pool"
+    # (vLLM 0.33's shared block pool after a churn of requests, bench/vllm_pool.py)
+    allocation: str = "fragmentation"
+
+    ALLOCATIONS: ClassVar[tuple[str, ...]] = ("fragmentation", "vllm-pool")
 
     def validate(self) -> BenchSpec:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -116,6 +122,14 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("sweep_values", self.sweep_values, "token counts must be non-negative integers")
         if self.sweep is Sweep.FRAGMENTATION and any(not 0.0 <= v <= 1.0 for v in self.sweep_values):
             _bad("sweep_values", self.sweep_values, "fragmentations must lie in [0, 1]")
+        if self.allocation not in self.ALLOCATIONS:
+            _bad("allocation", self.allocation, f"must be one of {list(self.ALLOCATIONS)}")
+        if self.allocation == "vllm-pool":
+            if self.fragmentation or self.sweep is Sweep.FRAGMENTATION:
+                _bad("allocation", self.allocation, "draws its own block ids: drop --fragmentation and "
+                     "--sweep fragmentation")
+            if min(p.tokens for p in self.points) < 1:
+                _bad("tokens", min(p.tokens for p in self.points), "must be >= 1 with --allocation vllm-pool")
         if self.sweep is Sweep.NONE and self.sweep_values:
             _bad("sweep_values", self.sweep_values, "need --sweep fragmentation or --sweep tokens")
         return self
