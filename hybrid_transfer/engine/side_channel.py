@@ -18,6 +18,7 @@ from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
 log = logging.getLogger(__name__)
 
 _POLL_MS = 50  # how often the listener looks at its stop flag; close() waits at most this long
+_MAX_FRAMES = 3  # identity, REQ's empty delimiter, the message: a message of more frames is not ours
 
 
 def url_host(host: str) -> str:
@@ -25,14 +26,15 @@ def url_host(host: str) -> str:
     return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def _limit_frames(sock: zmq.Socket) -> None:
-    """ZeroMQ drops a peer whose frame header announces more than MAX_MESSAGE_BYTES, before buffering it.
+def _limit_frames(sock: zmq.Socket, limit: int = MAX_MESSAGE_BYTES) -> None:
+    """ZeroMQ drops a peer whose frame header announces more than ``limit`` bytes, before buffering it.
 
     Without this a 1 GiB frame is received whole and only then refused by the decoder. The limit is per
     frame: libzmq still assembles every frame of a multipart message before delivering it, and has no
-    cap on their number; ours are one frame (DEALER) or two (REQ).
+    cap on their number; ours are one frame (DEALER) or two (REQ). The listener caps a message's total
+    across its frames itself (``HandshakeServer``, docs/limits.md#side-channel).
     """
-    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
 
 @dataclass(frozen=True)
@@ -77,19 +79,24 @@ class HandshakeServer:
     that the owner thread replaces whole (pack/stager.py), so handshakes and staging queries are answered
     while the owner thread is busy. A frame that is not one message of ours is answered with
     whatever ``respond`` makes of it, or dropped; the thread never dies of peer bytes.
+    A message whose frames exceed ``max_message_bytes`` in total, or that has more than
+    ``_MAX_FRAMES`` frames, is read frame by frame without keeping any, dropped and counted in
+    ``num_oversized``: it never reaches ``respond`` (nor is it ever joined into one buffer).
     ``close()`` is idempotent, stops the thread and waits for it.
     """
 
     def __init__(self, host: str, port: int, respond: Callable[[bytes], bytes | None], *, name: str,
-                 advertise_host: str | None = None, curve: Curve | None = None):
+                 advertise_host: str | None = None, curve: Curve | None = None,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
         self._respond = respond
+        self._max_bytes = max_message_bytes
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if curve is not None:
             curve.serve(self._sock)
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnecting consumer keeps its identity
-        _limit_frames(self._sock)
+        _limit_frames(self._sock, max_message_bytes)
         if ":" in host:
             self._sock.setsockopt(zmq.IPV6, 1)
         if port:
@@ -100,6 +107,7 @@ class HandshakeServer:
         self.address = f"tcp://{url_host(advertise_host or host)}:{port}"
         self.num_served = 0
         self.num_dropped = 0
+        self.num_oversized = 0  # messages over max_message_bytes in total (or _MAX_FRAMES frames): dropped
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
 
@@ -114,11 +122,14 @@ class HandshakeServer:
             try:
                 if not poller.poll(_POLL_MS):
                     continue
-                frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                frames = self._receive()
             except zmq.ZMQError as exc:
                 if self._stop.is_set():
                     break
                 log.warning("handshake listener %s: %s", self.address, exc)
+                continue
+            if frames is None:
+                self.num_oversized += 1
                 continue
             identity, payload = frames[0], frames[1:]
             # DEALER peers send one frame; REQ peers prepend an empty delimiter we must echo.
@@ -139,6 +150,26 @@ class HandshakeServer:
                 self.num_dropped += 1
                 log.debug("handshake listener %s: reply not sent: %s", self.address, exc)
         self._sock.close(0)
+
+    def _receive(self) -> list[bytes] | None:
+        """One message's frames (identity first), or None when they exceed the caps.
+
+        libzmq hands over a multipart message only once all its frames arrived, so every frame is here:
+        each is taken without a copy and let go at once when the message is over the cap.
+        """
+        frames: list[bytes] = []
+        total, over = 0, False
+        while True:
+            frame = self._sock.recv(zmq.NOBLOCK, copy=False)
+            if not over:
+                total += len(frame.buffer)
+                over = total > self._max_bytes or len(frames) == _MAX_FRAMES
+                if over:
+                    frames.clear()
+                else:
+                    frames.append(frame.bytes)
+            if not frame.more:
+                return None if over else frames
 
     @property
     def is_alive(self) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 import zmq
@@ -62,6 +64,68 @@ def test_an_oversized_frame_is_cut_off_by_zeromq_and_never_buffered_for_the_resp
         monitor.close(0)
     finally:
         ctx.destroy(linger=0)
+        server.close()
+
+
+def _listener(**kw) -> tuple[HandshakeServer, list[int]]:
+    seen: list[int] = []
+
+    def respond(data: bytes) -> bytes:
+        seen.append(len(data))
+        return b"ok"
+
+    server = HandshakeServer("127.0.0.1", 0, respond, name="test-limits-listener", **kw)
+    server.start()
+    return server, seen
+
+
+def _send_then_hello(address: str, frames: list[bytes]) -> bool:
+    """Send one multipart message, then a one-frame b"hello" on another socket; whether the first was answered."""
+    ctx = zmq.Context()
+    try:
+        big = ctx.socket(zmq.DEALER)
+        big.setsockopt(zmq.LINGER, 0)
+        big.connect(address)
+        big.send_multipart(frames)
+        good = ctx.socket(zmq.DEALER)
+        good.setsockopt(zmq.LINGER, 0)
+        good.connect(address)
+        good.send(b"hello")
+        assert good.poll(int(WAIT_S * 1000)) and good.recv() == b"ok", "no answer to the honest peer"
+        return bool(big.poll(200))
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _until(condition) -> bool:
+    deadline = time.monotonic() + WAIT_S
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_message_over_the_cap_in_total_across_frames_never_reaches_the_responder():
+    """Row 7, lowered caps: 64 frames of 64 KiB (each under the per-frame cap) against a 1 MiB total."""
+    server, seen = _listener(max_message_bytes=1 << 20)
+    try:
+        assert not _send_then_hello(server.address, [b"\x00" * (64 << 10)] * 64)
+        assert _until(lambda: server.num_oversized == 1) and seen == [5]
+        _send_then_hello(server.address, [b"\x00" * (64 << 10)] * 2)  # 2 frames, 128 KiB: under the cap
+        assert _until(lambda: len(seen) == 3) and sorted(seen) == [5, 5, 128 << 10] and server.num_oversized == 1
+    finally:
+        server.close()
+
+
+def test_the_default_total_cap_is_the_one_message_cap():
+    """Frames of 512 KiB, each far under MAX_MESSAGE_BYTES per frame, but twice it in total: dropped, counted."""
+    server, seen = _listener()
+    try:
+        count = 2 * wire.MAX_MESSAGE_BYTES // (512 << 10)
+        assert not _send_then_hello(server.address, [b"\x00" * (512 << 10)] * count)
+        assert _until(lambda: server.num_oversized == 1) and seen == [5]
+        assert not _send_then_hello(server.address, [b"a", b"b", b"c", b"d"])  # small, but not ours: 5 frames
+        assert _until(lambda: server.num_oversized == 2) and seen == [5, 5]
+    finally:
         server.close()
 
 
