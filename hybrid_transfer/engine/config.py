@@ -66,6 +66,7 @@ from typing import Any
 
 import msgspec
 
+from hybrid_transfer.engine.addresses import DEFAULT_ALLOWED_PRODUCERS, AllowedProducers
 from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.plan.types import PlanMode
@@ -173,6 +174,17 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         for their step fences included); a ``hold()`` that would pin more raises HoldCapacityError before
         pinning anything (docs/limits.md#held-blocks). None: half the rank's cache blocks
         (DEFAULT_HELD_FRACTION), so tickets nobody reads cannot take the cache a prefill engine runs on.
+    allowed_producers: the producers a consumer may connect to (engine/addresses.py): each entry a host
+        name, an address or a CIDR (IPv6 in brackets when it has ports), optionally ``:PORT`` or
+        ``:FIRST-LAST`` ("10.1.2.0/24:5600-5700", "prefill-0.example:5600"); names are compared as
+        written, never resolved. A ticket naming another address fails before any connect
+        (ProducerNotAllowedError): without a secret anyone can compute a ticket's MAC, so the ticket
+        must not decide where a consumer connects (docs/security.md#allowed-producers). Default: loopback.
+    max_links: producer engines a consumer keeps links to; beyond it the least recently used failed link
+        is evicted, and a ticket for a new engine fails (cause "capacity") when every link is live.
+    max_handshake_sockets: handshakes a consumer has in flight, one ZeroMQ socket per producer rank
+        address, closed when the reply comes or the handshake times out; a ticket that would need more fails
+        (cause "capacity") before connecting (docs/limits.md#consumer-links).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -202,6 +214,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     peer_probe_s: float = 1.0
     max_held_blocks: int | None = None
     post_thread: bool | None = None
+    allowed_producers: tuple[str, ...] = DEFAULT_ALLOWED_PRODUCERS
+    max_links: int = 256
+    max_handshake_sockets: int = 64
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -241,6 +256,10 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("post_thread", self.post_thread, "must be true, false or None (chosen by the cache's memory)")
         if not isinstance(self.side_channel_curve, bool):
             _bad("side_channel_curve", self.side_channel_curve, "must be true or false")
+        AllowedProducers(self.allowed_producers)  # ConfigError naming the bad entry
+        for name in ("max_links", "max_handshake_sockets"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                _bad(name, getattr(self, name), "must be a positive integer")
         if self.num_backend_threads is not None and (
                 not isinstance(self.num_backend_threads, int) or self.num_backend_threads < 0):
             _bad("num_backend_threads", self.num_backend_threads, "must be None or a non-negative integer")

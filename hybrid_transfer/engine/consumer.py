@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
+from hybrid_transfer.engine.addresses import AllowedProducers
 from hybrid_transfer.engine.agent import NixlAgent, XferState
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.inbox import Inbox
@@ -60,6 +61,7 @@ from hybrid_transfer.errors import (
     HybridTransferError,
     PeerDisconnectedError,
     PlanError,
+    ProducerNotAllowedError,
     ReadDeadlineError,
     RequestAbortedError,
     RequestStateError,
@@ -80,6 +82,7 @@ from hybrid_transfer.planner_input import describe_cache
 log = logging.getLogger(__name__)
 
 _CONNECT_POLL_MS = 20
+MAX_PENDING_DECLINES = 4096  # declines waiting for their engine's link; beyond, the producer's lease frees them
 _LIVE = (ReadState.WAITING_PEER, ReadState.READING)
 
 
@@ -151,7 +154,9 @@ class Consumer:
             auth.warn_if_open(self._secret, f"consumer {self.agent.name}")
             curve = auth.side_channel_curve(self.config.side_channel_curve, self._secret)
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
-                                clock, self.config.handshake_timeout_s, self._secret, curve=curve)
+                                clock, self.config.handshake_timeout_s, self._secret, curve=curve,
+                                allowed=AllowedProducers(self.config.allowed_producers),
+                                max_links=self.config.max_links, max_sockets=self.config.max_handshake_sockets)
             # Pack mode (staging reads, engine/pack/reader.py) and every request's timings.
             self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
         except BaseException:
@@ -201,7 +206,7 @@ class Consumer:
                 self._greet(link)  # the Welcome arrives with a later poll(); reads wait for it
                 return
             if link.state is LinkState.FAILED:
-                raise _again(link.error)
+                raise self._peers.error_of(link)
             if self._clock() >= deadline:
                 raise HandshakeTimeout(address=address, timeout_s=timeout_s)
             self._peers.progress(timeout_ms=_CONNECT_POLL_MS)
@@ -216,24 +221,27 @@ class Consumer:
                    expected_state_position: int | None = None) -> None:
         """Plan, validate and post one READ per source rank of ``ticket``; returns without waiting.
 
-        Raises (nothing has moved when any of these is raised):
+        Checked before any socket, connect or pin: every field of the ticket (engine/inputs.py), its
+        addresses against ``EngineConfig.allowed_producers``, and its MAC (an edited ticket is
+        reported FAILED, cause ``ticket_edited``, without connecting anywhere).
+
+        Raises (nothing has moved and nothing was connected when any of these is raised):
             StatePositionError: ``expected_state_position`` is given and the ticket's differs.
-            TicketError: an inconsistent ticket, or a field that could not travel in one (a bool for an
-                int, a nonce outside [0, 2**63), ...), named with its value.
+            TicketError: an inconsistent ticket, a field that could not travel in one (a bool for an
+                int, a nonce outside [0, 2**63), ...) or beyond a cap, named with its value; addresses
+                other than those of the engine's existing link.
+            ProducerNotAllowedError: an address ``allowed_producers`` does not list.
             ConfigError: ``expected_state_position`` is not a non-negative int.
             RequestStateError: this request id is already being read.
             PlanError (subclasses): local (or, when the engine is already linked, remote) block ids
                 that do not fit the request.
-            HandshakeError: the ticket's engine is known to be incompatible.
+            HandshakeError: the ticket's engine link failed and backs off (``cause`` names why: the
+                producer's refusal cause, "timeout", ...), or a bound on links or handshakes is reached.
             BlockBusyError: a local block still belongs to a request not reported yet (reading, or
                 quarantined until nothing can write it).
         """
         self._check_open()
-        try:
-            ticket = wire.check_ticket(ticket)
-        except WireDecodeError as exc:
-            rid = getattr(ticket, "request_id", "?")
-            raise TicketError(str(exc), request_id=rid if isinstance(rid, str) else repr(rid)) from exc
+        ticket = inputs.ticket(ticket)  # every field's type, range, size and address syntax (engine/inputs.py)
         if expected_state_position is not None:
             expected_state_position = inputs.count("expected_state_position", expected_state_position)
         inputs.block_id_lists("local", local_block_ids_per_group)
@@ -243,34 +251,35 @@ class Consumer:
         if ticket.state_position != ticket.num_tokens:
             raise TicketError(f"state position {ticket.state_position} must equal num_tokens {ticket.num_tokens}",
                               request_id=rid, state_position=ticket.state_position, num_tokens=ticket.num_tokens)
-        if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:
-            raise TicketError(f"lists {len(ticket.addresses)} addresses for TP {ticket.tp_size}", request_id=rid,
-                              tp_size=ticket.tp_size, addresses=ticket.addresses)
+        self._check_addresses(ticket)
         if rid in self._requests:
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
         ids = block_id_arrays("local", local_block_ids_per_group, len(self._kinds))
-        link = self._peers.ensure(ticket.engine_key, ticket.addresses)
-        ready = link.state is LinkState.READY
+        # The MAC before any connect (docs/security.md#allowed-producers): an edited ticket never makes this
+        # rank handshake with the addresses it names, so it cannot poison the link of the engine it names.
+        signed = claims.mac_ok(ticket, self._secret)
+        known = self._peers.find(ticket.engine_key) if signed else None
+        ready = known is not None and known.state is LinkState.READY and known.addresses == ticket.addresses
         if not ready:  # a ready link's planner validates both sides below: each id is checked once
             validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
                                self.cache.num_blocks, exact=False)
-        if link.state is LinkState.FAILED:
-            raise _again(link.error)
         local = tuple(tuple(arr.tolist()) for arr in ids)
-        now = self._clock()
-        req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
-                          changed_at=now)
-        plan = self._plan(req, ids) if ready else None  # PlanError: nothing registered yet
         busy = [b for group in local for b in group if b in self._owners]
         if busy:
             raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
+        now = self._clock()
+        link = self._link_for(ticket) if signed else EngineLink(ticket.engine_key, ticket.addresses, now,
+                                                                 LinkState.FAILED, cause="mac")
+        req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
+                          changed_at=now)
+        plan = self._plan(req, ids) if ready else None  # PlanError: nothing registered yet
         self._requests[rid] = req
         for group in local:
             for b in group:
                 self._owners[b] = rid
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
-        elif not claims.mac_ok(ticket, self._secret):  # edited, or not signed under our secret: read nothing
+        elif not signed:  # edited, or not signed under our secret: read nothing, connect nowhere
             req.disowned = True
             self.stats.claims_refused += 1
             self._end(req, TicketClaimError(request_id=rid, nonce=ticket.nonce, status="edited (its MAC does not "
@@ -327,30 +336,66 @@ class Consumer:
         Returns False when the ticket is already being declined or its engine is known to be
         unreachable or incompatible (its lease then frees the blocks).
 
+        Checked before connecting anywhere: the ticket's fields, its addresses against
+        ``allowed_producers`` and its MAC.
+
         Raises:
-            TicketError: a ticket whose addresses do not match its TP size.
+            TicketError: an ill-formed ticket, addresses that do not match its TP size, a MAC that does
+                not match its fields (``field`` "mac"); ProducerNotAllowedError for an address not allowed.
             RequestStateError: this rank is reading the request (use ``abort``).
         """
         self._check_open()
+        ticket = inputs.ticket(ticket)
         rid = ticket.request_id
-        if ticket.tp_size <= 0 or len(ticket.addresses) != ticket.tp_size:
-            raise TicketError(f"lists {len(ticket.addresses)} addresses for TP {ticket.tp_size}", request_id=rid,
-                              tp_size=ticket.tp_size, addresses=ticket.addresses)
+        self._check_addresses(ticket)
         if rid in self._requests:
             raise RequestStateError("is being read here: abort() it instead of declining",
                                     request_id=rid, state=self._requests[rid].state.value)
+        if not claims.mac_ok(ticket, self._secret):  # checked before connecting anywhere
+            raise TicketError("its MAC does not match its fields (edited, or not signed under our secret): not "
+                              "declining it", request_id=rid, field="mac")
         key = (rid, ticket.nonce)
         if key in self._declines:
             return False
-        link = self._peers.ensure(ticket.engine_key, ticket.addresses)
-        if link.state is LinkState.FAILED:
+        if len(self._declines) >= MAX_PENDING_DECLINES:
             self.stats.declines_dropped += 1
-            log.info("consumer %s: cannot decline %r, its engine is unusable: %s", self.agent.name, rid, link.error)
+            self._log.warning("decline dropped", "consumer %s: %d declines wait for links; %r dropped (its lease "
+                              "frees it)", self.agent.name, len(self._declines), rid)
+            return False
+        try:
+            link = self._link_for(ticket)
+        except HandshakeError as exc:
+            self.stats.declines_dropped += 1
+            log.info("consumer %s: cannot decline %r, its engine is unusable: %s", self.agent.name, rid, exc)
             return False
         now = self._clock()
         self._declines[key] = _Decline(ticket, link, now + self.config.handshake_timeout_s)
         self._advance_declines(now)
         return True
+
+    def _check_addresses(self, ticket: wire.Ticket) -> None:
+        """As many addresses as ranks, each one this rank may connect to (EngineConfig.allowed_producers)."""
+        if len(ticket.addresses) != ticket.tp_size:
+            raise TicketError(f"lists {len(ticket.addresses)} addresses for TP {ticket.tp_size}",
+                              request_id=ticket.request_id, tp_size=ticket.tp_size, addresses=ticket.addresses)
+        for address in ticket.addresses:
+            if not self._peers.allows(address):
+                raise ProducerNotAllowedError(request_id=ticket.request_id, address=address)
+
+    def _link_for(self, ticket: wire.Ticket) -> EngineLink:
+        """The live link of a checked ticket's engine (starting its handshakes if need be).
+
+        Raises:
+            HandshakeError: the engine's link failed and backs off (naming the cause), or a bound is reached.
+            TicketError: an existing link of that engine has other addresses (the ticket's fail alone).
+        """
+        link = self._peers.ensure(ticket.engine_key, ticket.addresses)
+        if link.state is LinkState.FAILED:
+            raise self._peers.error_of(link)
+        if link.addresses != ticket.addresses:
+            raise TicketError(f"names addresses {list(ticket.addresses)}, but engine {ticket.engine_key} is linked "
+                              f"at {list(link.addresses)}", request_id=ticket.request_id, field="addresses")
+        return link
 
     @property
     def num_pending_declines(self) -> int:
@@ -418,7 +463,7 @@ class Consumer:
                 elif now >= req.deadline:
                     self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
             elif link.state is LinkState.FAILED:
-                self._end(req, _again(link.error), now, FailureCause.HANDSHAKE)
+                self._end(req, self._peers.error_of(link), now, FailureCause.HANDSHAKE)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
         elif req.state is ReadState.READING:
@@ -790,14 +835,3 @@ def _device_setter(device) -> Callable[[], None]:
 
         torch.cuda.set_device(device)
     return set_device
-
-
-def _again(error: HandshakeError | None) -> HandshakeError:
-    """A fresh exception carrying a link's stored failure (one stored instance, raised many times)."""
-    if error is None:
-        return HandshakeError("link failed")
-    fresh = HandshakeError.__new__(type(error))
-    fresh.__dict__.update(error.__dict__)
-    fresh.args = error.args
-    fresh.__cause__ = error
-    return fresh

@@ -12,8 +12,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from hybrid_transfer.engine import wire
+from hybrid_transfer.engine.addresses import parse_address, shown
 from hybrid_transfer.engine.wire import MAX_NAME_CHARS, MAX_NONCE, MAX_REQUEST_ID_CHARS
-from hybrid_transfer.errors import ConfigError, PlanError
+from hybrid_transfer.errors import ConfigError, PlanError, TicketError, WireDecodeError
 
 
 def is_integer(value: object) -> bool:
@@ -76,3 +78,75 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
             if type(b) is not int and not is_integer(b):  # the exact-type test keeps long lists cheap
                 raise PlanError(f"{side} group {group}: block ids must be integers (not bools), got {b!r} in "
                                 f"{list(ids)[:16]!r}", side=side, group=group, block_ids=ids)
+
+
+# ---- tickets (issue 19): what a client's request may make a consumer do is bounded here -----------------
+# A ticket reaches a decode worker inside a client's request (vLLM's kv_transfer_params). These caps
+# bound what one ticket can make a consumer allocate, iterate or connect to before anything else looks
+# at it; every honest ticket is far below them (TP 8, a handful of cache groups, 2**17 tokens).
+MAX_TICKET_RANKS = 64  # producer TP ranks (so side-channel addresses) one ticket may name
+MAX_TICKET_GROUPS = 64  # cache groups of block ids
+MAX_TICKET_BLOCK_IDS = 1 << 20  # block ids over all groups
+MAX_BLOCK_ID = (1 << 31) - 1  # vLLM's block ids are int32
+MAX_TICKET_TOKENS = 1 << 31
+_INT_FIELDS = ("version", "incarnation", "tp_size", "nonce", "num_tokens", "state_position")
+
+
+def ticket(value: object) -> wire.Ticket:
+    """A ticket handed to ``Consumer.start_read`` or ``decline``: every field's type, range and size, the
+    address syntax and the address count, checked before any socket, connect or pin.
+
+    Raises:
+        TicketError: naming the field and its value (cut to 200 characters).
+    """
+    if not isinstance(value, wire.Ticket):
+        raise TicketError(f"expected a Ticket, got {type(value).__name__} (decode bytes with decode_ticket)",
+                          request_id="?")
+    rid = value.request_id if isinstance(value.request_id, str) else shown(value.request_id)
+    rid = rid if len(rid) <= MAX_REQUEST_ID_CHARS else shown(rid)
+
+    def bad(field: str, shown_value: str, why: str) -> TicketError:
+        return TicketError(f"{field}={shown_value} {why}", request_id=rid, field=field)
+
+    for field in _INT_FIELDS:  # wire.check_ticket's own message would try to print a 100,000-digit int
+        number = getattr(value, field)
+        if is_integer(number) and int(number).bit_length() > 64:
+            raise bad(field, shown(int(number)), "is out of range")
+    if is_integer(value.tp_size) and not 0 < value.tp_size <= MAX_TICKET_RANKS:
+        raise bad("tp_size", shown(value.tp_size), f"must be in [1, {MAX_TICKET_RANKS}]")
+    addresses = value.addresses
+    if isinstance(addresses, (list, tuple)) and len(addresses) > MAX_TICKET_RANKS:
+        raise bad("addresses", shown(addresses), f"lists {len(addresses)} addresses, at most {MAX_TICKET_RANKS}")
+    _check_block_ids(value.block_ids, bad)
+    try:
+        checked = wire.check_ticket(value)
+    except WireDecodeError as exc:
+        raise TicketError(shown(str(exc), 600), request_id=rid) from exc
+    for field in ("num_tokens", "state_position"):
+        if getattr(checked, field) > MAX_TICKET_TOKENS:
+            raise bad(field, str(getattr(checked, field)), f"is above {MAX_TICKET_TOKENS}")
+    for i, address in enumerate(checked.addresses):
+        try:
+            parse_address(address)
+        except ConfigError as exc:
+            raise bad(f"addresses[{i}]", shown(address), f"is not a side-channel address: {exc}") from None
+    if len(set(checked.addresses)) != len(checked.addresses):
+        raise bad("addresses", shown(checked.addresses), "names one address twice")
+    return checked
+
+
+def _check_block_ids(block_ids: object, bad) -> None:
+    """Caps on the count of groups and of ids, and ids within int32; types are wire.check_ticket's."""
+    if not isinstance(block_ids, (list, tuple)):
+        return
+    if len(block_ids) > MAX_TICKET_GROUPS:
+        raise bad("block_ids", shown(block_ids), f"lists {len(block_ids)} groups, at most {MAX_TICKET_GROUPS}")
+    total = sum(len(g) for g in block_ids if isinstance(g, (list, tuple)))
+    if total > MAX_TICKET_BLOCK_IDS:
+        raise bad("block_ids", shown(block_ids), f"lists {total} block ids, at most {MAX_TICKET_BLOCK_IDS}")
+    for g, group in enumerate(block_ids):
+        if not isinstance(group, (list, tuple)):
+            continue
+        for i, b in enumerate(group):
+            if is_integer(b) and not 0 <= b <= MAX_BLOCK_ID:
+                raise bad(f"block_ids[{g}][{i}]", shown(int(b)), f"is outside [0, {MAX_BLOCK_ID}]")

@@ -14,6 +14,7 @@ import zmq
 from zmq.utils import z85
 
 from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
+from hybrid_transfer.errors import HandshakeError
 
 log = logging.getLogger(__name__)
 
@@ -187,30 +188,55 @@ class HandshakeServer:
 
 
 class HandshakeClient:
-    """One DEALER per producer rank address, non-blocking; owned by the consumer's owner thread."""
+    """One DEALER per producer rank address, non-blocking; owned by the consumer's owner thread.
 
-    def __init__(self, curve: Curve | None = None):
+    At most ``max_sockets`` are open at once (``EngineConfig.max_handshake_sockets``): a socket lives
+    only while its handshake is pending, and the caller drops it when the reply came or the deadline passed.
+    """
+
+    def __init__(self, curve: Curve | None = None, *, max_sockets: int = 64):
         self._ctx = zmq.Context()
         self._socks: dict[str, zmq.Socket] = {}
         self._poller = zmq.Poller()
         self._curve = curve
+        self._max_sockets = max_sockets
+
+    @property
+    def num_sockets(self) -> int:
+        return len(self._socks)
 
     def send(self, address: str, payload: bytes) -> None:
-        """Queue ``payload`` for ``address`` (connecting on first use); never blocks."""
+        """Queue ``payload`` for ``address`` (connecting on first use); never blocks.
+
+        Raises:
+            HandshakeError: ``max_sockets`` are open (cause "capacity"), or ZeroMQ refused the address
+                or the send (cause "unreachable"); no socket is left open for it.
+        """
         sock = self._socks.get(address)
         if sock is None:
+            if len(self._socks) >= self._max_sockets:
+                raise HandshakeError(f"{self._max_sockets} handshake sockets are open (max_handshake_sockets)",
+                                     address=address, cause="capacity")
             sock = self._ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 64)
-            _limit_frames(sock)
-            if self._curve is not None:
-                self._curve.connect(sock)
-            if "[" in address:  # an IPv6 literal
-                sock.setsockopt(zmq.IPV6, 1)
-            sock.connect(address)
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, 64)
+                _limit_frames(sock)
+                if self._curve is not None:
+                    self._curve.connect(sock)
+                if "[" in address:  # an IPv6 literal
+                    sock.setsockopt(zmq.IPV6, 1)
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                sock.close(0)
+                raise HandshakeError(f"cannot connect: {exc}", address=address, cause="unreachable") from exc
             self._socks[address] = sock
             self._poller.register(sock, zmq.POLLIN)
-        sock.send(payload, zmq.NOBLOCK)
+        try:
+            sock.send(payload, zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self.drop([address])
+            raise HandshakeError(f"cannot send: {exc}", address=address, cause="unreachable") from exc
 
     def receive(self, timeout_ms: int = 0) -> list[tuple[str, bytes]]:
         """Every reply waiting now (or within ``timeout_ms``), as (address, payload)."""
