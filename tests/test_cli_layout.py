@@ -158,8 +158,7 @@ def test_errors_exit_2_and_name_value(capsys, args, needle):
     assert needle in captured.err
 
 
-def test_missing_tp_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as info:
-        main(["layout", "--preset", BIG])
-    assert info.value.code == 2
-    assert "--tp" in capsys.readouterr().err
+def test_tp_defaults_to_one(capsys):
+    """issue 21 row 4: `layout` had no default --tp (a usage error without it)."""
+    assert run_json(capsys, "--preset", BIG) == run_json(capsys, "--preset", BIG, "--tp", "1")
+    assert run_json(capsys, "--preset", BIG)["tp_size"] == 1

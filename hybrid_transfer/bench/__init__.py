@@ -11,7 +11,19 @@ Modules, one job each:
   report       JSON records and the summary table; plot: the PNG
 """
 
-from hybrid_transfer.bench.coordinator import BenchResult, Coordinator, run_bench
-from hybrid_transfer.bench.spec import BenchSpec, Device, Sweep, Variant
+# Imported on first use: the coordinator pulls in torch (2-7 s on a busy host), which `bench --help`
+# and a mistyped flag must not wait for (the CLI reads only spec's defaults).
+_LAZY = {
+    "BenchResult": "coordinator", "Coordinator": "coordinator", "run_bench": "coordinator",
+    "BenchSpec": "spec", "Device": "spec", "Sweep": "spec", "Variant": "spec",
+}
 
-__all__ = ["BenchResult", "BenchSpec", "Coordinator", "Device", "Sweep", "Variant", "run_bench"]
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"hybrid_transfer.bench.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'hybrid_transfer.bench' has no attribute {name!r}")

@@ -4,12 +4,19 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 from hybrid_transfer.bench.spec import DEFAULT_SWEEP_VALUES, KV_DTYPES, BenchSpec, Device, Sweep
 from hybrid_transfer.cli.common import check_output_path
+from hybrid_transfer.cli.output import (
+    add_json_option,
+    emit_json,
+    json_path,
+    json_to_stdout,
+    stdout_to_stderr,
+    table_stream,
+)
 from hybrid_transfer.layout import KVLayout, preset_names
 from hybrid_transfer.plan.types import PlanMode
 
@@ -47,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "scheme: one descriptor per shared tensor and kernel page, whole pages) and the ceiling (one READ "
             "of the same bytes per (decode rank, source) as a single descriptor, between the same processes). "
             "GB/s counts the valid payload bytes for every variant (naive's page tails are not counted). "
-            "Prints a summary table; --json and --plot write files."
+            "Prints a summary table (on stderr when --json has no path); --json gives the figures, --plot draws them."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -115,16 +122,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="comma-separated values for --sweep; None means "
                              + "; ".join(f"{k}: {','.join(str(v) for v in vs)}"
                                          for k, vs in DEFAULT_SWEEP_VALUES.items()))
-    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
-                        help="write the figures as JSON (one object; a sweep lists its points)")
+    add_json_option(parser, "the figures as one JSON object (a sweep lists its points)")
     parser.add_argument("--plot", type=Path, default=None, metavar="PATH",
                         help="write a PNG of GB/s: against the swept value, or bars without --sweep; --sweep tokens "
                              "adds READ descriptors per decode rank and plan ms per request (log token axis)")
+    parser.add_argument("--allocation", choices=BenchSpec.ALLOCATIONS, default=d.allocation,
+                        help="how block ids are drawn on each side: fragmentation (--fragmentation's share of "
+                             "random ids) or vllm-pool (vLLM 0.33's shared block pool after a churn of requests of "
+                             "0.8-1.0 x --tokens, twice --requests live; docs/benchmarks.md#vllm-pool)")
     parser.set_defaults(handler=run)
 
 
 def spec_from_args(args: argparse.Namespace) -> BenchSpec:
     return BenchSpec(
+        allocation=args.allocation,
         preset=args.preset, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp, tokens=args.tokens,
         requests=args.requests, concurrency=args.concurrency, fragmentation=args.fragmentation,
         mode=PlanMode(args.mode), device=Device(args.device), prefill_gpus=tuple(args.prefill_gpus),
@@ -143,24 +154,26 @@ def run(args: argparse.Namespace) -> int:
     from hybrid_transfer.bench.report import plain_table, print_table, to_json
 
     spec = spec_from_args(args)
-    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+    for flag, path in (("--json", json_path(args)), ("--plot", args.plot)):
         if path is not None:
             check_output_path(path, flag)  # before the run, not after it
     coordinator = Coordinator(spec)
     has_rich = importlib.util.find_spec("rich") is not None  # the bench extra; bare GPU images may lack it
-    if has_rich and sys.stderr.isatty():
-        result = _run_with_progress(coordinator)
-    else:
-        result = coordinator.run()
+    # With the JSON on stdout, the rank processes (which inherit fd 1) and NIXL print to stderr instead.
+    with stdout_to_stderr(json_to_stdout(args)):
+        if has_rich and sys.stderr.isatty():
+            result = _run_with_progress(coordinator)
+        else:
+            result = coordinator.run()
+    table = table_stream(args)
     if has_rich:
         from rich.console import Console
 
         # A pipe or file gets the whole table; a terminal gets its own width.
-        print_table(result, Console() if sys.stdout.isatty() else Console(width=200))
+        print_table(result, Console(file=table) if table.isatty() else Console(file=table, width=200))
     else:
-        print(plain_table(result))
-    if args.json is not None:
-        args.json.write_text(json.dumps(to_json(result), indent=2) + "\n")
+        print(plain_table(result), file=table)
+    emit_json(args, to_json(result))
     if args.plot is not None:
         write_plot(result, args.plot)
     return 0

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
 import re
 import sys
 
+from hybrid_transfer.cli.output import add_json_option, check_json_path, emit_json, stdout_to_stderr, table_stream
 from hybrid_transfer.doctor import (
     DEFAULT_NUM_BYTES,
     MIN_NUM_BYTES,
@@ -51,11 +49,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "cuda_ipc_read (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y, without which GPU bytes silently go over TCP), "
             "side_channel_port (the handshake port can be bound), progress_thread (CPU that NIXL's progress "
             "thread burns while idle). Exit code 0 when no check fails, 1 otherwise. With --json, one JSON "
-            'document on stdout: {"checks": [{"name", "status", "detail", "fix", "data"}], "ok": bool}.'
+            'document: {"checks": [{"name", "status", "detail", "fix", "data"}], "ok": bool}.'
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--json", action="store_true", help="print only one JSON document on stdout")
+    add_json_option(parser, "one JSON document")
     parser.add_argument("--device", choices=[d.value for d in Device], default=Device.AUTO.value,
                         help="cpu: DRAM checks only; cuda: DRAM and GPU (VRAM) checks, failing without a GPU; "
                              "auto: cuda when torch sees a GPU")
@@ -69,30 +67,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run)
 
 
-@contextlib.contextmanager
-def _stdout_to_stderr():
-    """Route fd 1 to stderr while the checks run: UCX and NIXL's Python logger print to stdout."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
 def run(args: argparse.Namespace) -> int:
+    check_json_path(args)
     options = DoctorOptions(device=Device(args.device), host=args.host, port=args.port,
                             num_bytes=args.num_bytes).validate()
-    progress = None if args.json or not sys.stderr.isatty() else _print_progress
-    with _stdout_to_stderr():
+    progress = _print_progress if sys.stderr.isatty() else None
+    with stdout_to_stderr():  # UCX and NIXL's Python logger print to stdout while the checks run
         report = run_doctor(options, on_check=progress)
-    if args.json:
-        print(json.dumps(report.to_builtins(), indent=2))
-    else:
-        print(render(report))
+    print(render(report), file=table_stream(args))
+    emit_json(args, report.to_builtins())
     return 0 if report.ok else 1
 
 

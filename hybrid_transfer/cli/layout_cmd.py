@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from hybrid_transfer.cli.common import (
     KV_DTYPES,
@@ -13,6 +12,7 @@ from hybrid_transfer.cli.common import (
     parse_kv_dtype,
     parse_kv_layout,
 )
+from hybrid_transfer.cli.output import add_json_option, check_json_path, emit_json, table_stream
 from hybrid_transfer.layout import (
     CacheOptions,
     ModelSpec,
@@ -31,12 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "Per-rank geometry of the paged hybrid cache (docs/layout.md): KV heads, bytes per token per "
             "full-attention layer, conv / ssm bytes per GDN layer, state bytes per request, block size, "
             "page bytes, number of shared tensors and the KV layout. With --json, one JSON object: the figures of "
-            "--rank (default 0) at top level and a 'ranks' list of the ranks shown."
+            "--rank (default: rank 0) at top level and a 'ranks' list of the ranks shown."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_model_source(parser)
-    parser.add_argument("--tp", type=int, required=True, metavar="T", help="tensor-parallel size")
+    parser.add_argument("--tp", type=int, default=1, metavar="T", help="tensor-parallel size")
     parser.add_argument("--rank", type=int, default=None, metavar="R", help="show only this TP rank; None shows every rank")
     parser.add_argument("--kv-dtype", choices=sorted(KV_DTYPES), default=None,
                         help="KV cache dtype; None means the model dtype")
@@ -45,11 +45,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--kernel-block-size", type=int, default=None, metavar="K",
                         help="attention kernel block size in tokens; None means the logical block size")
     add_kv_layout(parser)
-    parser.add_argument("--json", action="store_true", help="print one JSON object on stdout and nothing else")
+    add_json_option(parser, "one JSON object")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_json_path(args)
     model = load_model(args)
     options = CacheOptions(
         kv_dtype=parse_kv_dtype(args.kv_dtype),
@@ -58,10 +59,8 @@ def run(args: argparse.Namespace) -> int:
         kv_layout=parse_kv_layout(args.kv_layout),
     )
     ranks = rank_figures(model, args.tp, options, args.rank)
-    if args.json:
-        print(json.dumps({**ranks[0], "ranks": ranks}, indent=2))
-    else:
-        print(render_table(model, ranks))
+    print(render_table(model, ranks), file=table_stream(args))
+    emit_json(args, {**ranks[0], "ranks": ranks})
     return 0
 
 

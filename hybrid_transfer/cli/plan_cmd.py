@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +19,7 @@ from hybrid_transfer.cli.common import (
     positive_int,
     token_count,
 )
+from hybrid_transfer.cli.output import add_json_option, check_json_path, emit_json, table_stream
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, ModelSpec
 from hybrid_transfer.layout.geometry import DEFAULT_ALIGNMENT
@@ -38,8 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="show the reads each decode rank posts for one request",
         description=(
             "Plan one request from a prefill engine to a decode engine over fake addresses and print, per "
-            "decode rank, the source ranks, bytes and descriptors per source, and totals. With --json, only "
-            "a JSON list on stdout: one object per decode rank with decode_rank, total_bytes, descriptors, "
+            "decode rank, the source ranks, bytes and descriptors per source, and totals. With --json, a JSON "
+            "list: one object per decode rank with decode_rank, total_bytes, descriptors, "
             "sources [{rank, bytes, descriptors, pieces, mode; pack sources also staged_bytes and read_ranges: "
             "the [offset, length] ranges of the source's staging the decode rank READs, as the engine posts "
             "them}], mode, kv_layout, notify, expected_bytes "
@@ -72,11 +72,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                             help=f"{side} logical block size in tokens; None derives it (page-size unification)")
         parser.add_argument(f"--{side}-kernel-block-size", type=int, default=None, metavar="K",
                             help=f"{side} attention kernel block size; None means the logical block size")
-    parser.add_argument("--json", action="store_true", help="print only a JSON list on stdout")
+    add_json_option(parser, "a JSON list, one object per decode rank")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    check_json_path(args)
     model, max_tokens = load_model_and_context(args)
     check_tokens(args.tokens, max_tokens, model)
     kv_dtype = parse_kv_dtype(args.kv_dtype)
@@ -87,12 +88,10 @@ def run(args: argparse.Namespace) -> int:
                           kernel_block_size=args.decode_kernel_block_size, kv_layout=kv_layout)
     plans = plan_all(model, args.prefill_tp, args.decode_tp, prefill, decode, args.tokens, PlanMode(args.mode),
                      args.fragmentation, args.seed, args.decode_rank)
-    if args.json:
-        print(json.dumps([plan_summary(p) for p in plans], indent=2))
-    else:
-        header = (f"{model.name}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {args.tokens} tokens, "
-                  f"mode {args.mode}, KV layout {args.kv_layout}, fragmentation {args.fragmentation}")
-        print(render_table(header, plans))
+    header = (f"{model.name}: prefill TP {args.prefill_tp} -> decode TP {args.decode_tp}, {args.tokens} tokens, "
+              f"mode {args.mode}, KV layout {args.kv_layout}, fragmentation {args.fragmentation}")
+    print(render_table(header, plans), file=table_stream(args))
+    emit_json(args, [plan_summary(p) for p in plans])
     return 0
 
 

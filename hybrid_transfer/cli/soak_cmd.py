@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
 import msgspec
 
+from hybrid_transfer.cli.output import (
+    add_json_option,
+    check_json_path,
+    emit_json,
+    json_to_stdout,
+    stdout_to_stderr,
+    table_stream,
+)
 from hybrid_transfer.errors import ConfigError
 
 
@@ -71,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-auth", action="store_true", help="run without a shared secret (forged Completions "
                         "are then left out: without a secret they cannot be told from real ones)")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed (non-negative)")
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here")
+    add_json_option(parser, "the report as one JSON object")
     parser.set_defaults(handler=run)
 
 
@@ -80,17 +86,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.seed < 0:
         raise ConfigError(f"--seed {args.seed} must be non-negative", field="seed", value=args.seed)
-    if args.json is not None:
-        parent = Path(args.json).resolve().parent
-        if not parent.is_dir():
-            raise ConfigError(f"--json {args.json}: directory {parent} does not exist", field="json", value=args.json)
+    check_json_path(args)
     spec = SoakSpec(requests=args.requests, batch=args.batch, model=args.model, max_tokens=args.max_tokens,
                     num_blocks=args.num_blocks, abort_rate=args.abort_rate, stall_rate=args.stall_rate,
                     replay_rate=args.replay_rate, edit_rate=args.edit_rate, lease_s=args.lease,
                     read_deadline_s=args.read_deadline, kills=not args.no_kills, auth=not args.no_auth,
                     seed=args.seed, log_level=args.log_level.upper()).validate()
-    report = run_soak(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
-    print(render(report), flush=True)
-    if args.json is not None:
-        Path(args.json).write_text(json.dumps(msgspec.to_builtins(report), indent=2) + "\n")
+    # With the JSON on stdout, the prefill and decode processes (which inherit fd 1) print to stderr.
+    with stdout_to_stderr(json_to_stdout(args)):
+        report = run_soak(spec, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(render(report), file=table_stream(args), flush=True)
+    emit_json(args, msgspec.to_builtins(report))
     return 0 if report.ok else 1

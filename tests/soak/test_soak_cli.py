@@ -21,7 +21,7 @@ def test_argparse_errors_exit_2(capsys, argv, needle):
 
 @pytest.mark.parametrize("argv, needle", [
     (["--num-blocks", "10"], "num_blocks=10 must be at least 4800"),
-    (["--json", "/nonexistent-dir/x.json"], "--json /nonexistent-dir/x.json: directory /nonexistent-dir does not exist"),
+    (["--json", "/nonexistent-dir/x.json"], "--json '/nonexistent-dir/x.json' cannot be written: '/nonexistent-dir' is not a directory"),
     (["--seed", "-1"], "--seed -1 must be non-negative"),
     (["--model", "no-such-model"], "no-such-model"),
     (["--lease", "0.1"], "heartbeat_s=0.5 must be positive and shorter than the lease"),
