@@ -29,6 +29,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
 from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine.utils import _apply_dp_identity_suffix
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSpec
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -64,8 +65,13 @@ def write_tiny_model(directory: Path, *, layer_types: list[str] | None = None) -
 
 def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role: str, extra: dict | None = None,
                      max_num_batched_tokens: int = 4096, engine_id: str | None = None,
-                     scheduler_reserve_full_isl: bool = True, kv_load_failure_policy: str = "recompute") -> VllmConfig:
-    """One engine's config: the tiny model at ``tp_size`` with an explicitly configured block size."""
+                     scheduler_reserve_full_isl: bool = True, kv_load_failure_policy: str = "recompute",
+                     dp_size: int = 1, dp_rank: int = 0) -> VllmConfig:
+    """One engine's config: the tiny model at ``tp_size`` with an explicitly configured block size.
+
+    ``dp_size`` > 1: engine core ``dp_rank`` of a data-parallel endpoint, given its identity as
+    vLLM's engine-core launcher does (``dp_engine_identity``).
+    """
     model = ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
                         enforce_eager=True)
     kvt = KVTransferConfig(**CONNECTOR, kv_role=kv_role, engine_id=engine_id or f"e-{uuid.uuid4().hex[:8]}",
@@ -76,12 +82,25 @@ def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role:
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
                                          scheduler_reserve_full_isl=scheduler_reserve_full_isl),
-        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size, data_parallel_size=dp_size,
+                                       data_parallel_rank=dp_rank),
         device_config=DeviceConfig("cpu"),
         kv_transfer_config=kvt,
     )
     cfg.cache_config.kv_cache_layout = "LBHNC"
+    if dp_size > 1:
+        dp_engine_identity(cfg, dp_rank)
     return cfg
+
+
+def dp_engine_identity(cfg: VllmConfig, dp_rank: int) -> None:
+    """What vLLM 0.33 does to a DP engine core's config before building it (``EngineCoreProc.run_engine_core``
+    and the Ray launcher): vLLM's own ``_dp{rank}`` suffix on the engine and instance ids, ``data_parallel_index``
+    = the DP rank, then the independent-engine path (``reconfigure_for_independent_dp_rank``), which resets
+    ``data_parallel_rank`` to 0: only ``data_parallel_index`` still tells the engines apart."""
+    _apply_dp_identity_suffix(cfg, dp_rank)
+    cfg.parallel_config.data_parallel_index = dp_rank
+    cfg.parallel_config.reconfigure_for_independent_dp_rank()
 
 
 def layer_specs(cfg: VllmConfig) -> dict:
