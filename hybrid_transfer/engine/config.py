@@ -97,9 +97,10 @@ HOST_BACKEND_DEFAULTS: tuple[int, int | None] = (0, None)
 GPU_POST_THREAD = False
 HOST_POST_THREAD = False
 # A producer rank's cap on pinned blocks when max_held_blocks is None: held requests are finished prefills waiting
-# for their readers, so under load they are a small share of the cache; half keeps the other half for the engine's
-# running prefills even when clients ask for remote decode and nobody reads (docs/limits.md#held-blocks).
-DEFAULT_HELD_FRACTION = 0.5
+# for their readers, so under honest load they are a small share of the cache. A tenth stays for the engine's running
+# prefills even when clients ask for remote decode and nobody reads: at serving sizes (tens of thousands of blocks)
+# that is several steps of max_num_batched_tokens (docs/limits.md#held-blocks).
+DEFAULT_HELD_FRACTION = 0.9
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
@@ -172,8 +173,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         lease. 0 turns the check off: the lease is then the only way back for a dead consumer's blocks.
     max_held_blocks: at most this many blocks a producer rank keeps pinned for holds (ended ones waiting
         for their step fences included); a ``hold()`` that would pin more raises HoldCapacityError before
-        pinning anything (docs/limits.md#held-blocks). None: half the rank's cache blocks
-        (DEFAULT_HELD_FRACTION), so tickets nobody reads cannot take the cache a prefill engine runs on.
+        pinning anything (docs/limits.md#held-blocks). None: 90% of the rank's cache blocks
+        (DEFAULT_HELD_FRACTION), so tickets nobody reads cannot take the whole cache a prefill engine runs on.
     allowed_producers: the producers a consumer may connect to (engine/addresses.py): each entry a host
         name, an address or a CIDR (IPv6 in brackets when it has ports), optionally ``:PORT`` or
         ``:FIRST-LAST`` ("10.1.2.0/24:5600-5700", "prefill-0.example:5600"); names are compared as
@@ -236,7 +237,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 not math.isfinite(self.peer_probe_s) or self.peer_probe_s < 0):
             _bad("peer_probe_s", self.peer_probe_s, "must be a finite number of seconds >= 0 (0: off)")
         if self.max_held_blocks is not None and (not _is_int(self.max_held_blocks) or self.max_held_blocks < 1):
-            _bad("max_held_blocks", self.max_held_blocks, "must be a positive integer or None (half the cache)")
+            _bad("max_held_blocks", self.max_held_blocks, "must be a positive integer or None (90% of the cache)")
         if self.heartbeat_every_s >= self.lease_s:
             _bad("heartbeat_interval_s", self.heartbeat_interval_s, f"must be below lease_s={self.lease_s}")
         if not isinstance(self.early_completion_limit, int) or self.early_completion_limit <= 0:

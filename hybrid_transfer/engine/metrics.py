@@ -116,6 +116,8 @@ class ProducerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rejected_messages: dict[str, int]  # notifications dropped by authentication, by cause
     malformed: int
     unknown_agent: int
+    reports_ignored: int = 0  # reports not from the rank's confirmed reader (docs/lifecycle.md#who-reports)
+    held_cap: int = 0  # max_held_blocks in effect: hold() refuses beyond it (docs/limits.md#held-blocks)
 
 
 class ConsumerRecorder:
@@ -155,4 +157,5 @@ def producer_metrics(producer) -> ProducerMetrics:
         leases_expired=ended.get("expired", 0), reclaims=s.reclaims, completions_failed=s.completions_failed,
         completions_aborted=s.completions_aborted, claims_confirmed=s.claims_confirmed,
         claims_refused=s.claims_refused, rejected_peers=listener.rejected,
-        rejected_messages=dict(producer.rejections.counts), malformed=s.malformed, unknown_agent=s.unknown_agent)
+        rejected_messages=dict(producer.rejections.counts), malformed=s.malformed, unknown_agent=s.unknown_agent,
+        reports_ignored=s.not_reader, held_cap=producer.held_blocks_cap)

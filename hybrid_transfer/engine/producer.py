@@ -18,7 +18,13 @@ is counted in ``rejections`` and dropped. One record per consumer agent (peer_re
 
 Fast reclaim (docs/lifecycle.md): every ``peer_probe_s`` the agents a hold waits for get one
 notification; NIXL reporting one disconnected, or a new agent of the same consumer engine rank,
-revokes the holds that agent claimed, through the abort path. A slow agent keeps its lease.
+revokes the holds that agent claimed, through the abort path. A disconnected agent is remembered for
+one lease (lifecycle/gone.py): a claim of it that arrives later, or was kept for a hold that comes
+later, revokes that hold at once. A slow agent keeps its lease.
+
+A hold answers to its reader (docs/lifecycle.md#who-reports, lifecycle/holds.py): only the agent whose
+claim for a consumer rank was confirmed reports for that rank; before any claim, a decline does.
+Held blocks are capped per rank (``EngineConfig.max_held_blocks``): a hold beyond it is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, Produc
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.lifecycle.early import EarlyCompletions
 from hybrid_transfer.engine.lifecycle.fences import StepFences
+from hybrid_transfer.engine.lifecycle.gone import GoneAgents
 from hybrid_transfer.engine.lifecycle.holds import Heard, HoldBook
 from hybrid_transfer.engine.lifecycle.pending import PendingHandshakes
 from hybrid_transfer.engine.lifecycle.state import Hold, HoldState
@@ -82,6 +89,7 @@ class ProducerStats:
     early_evicted: int = 0  # ... pushed out because too many were kept
     bad_nonce: int = 0  # the request is held, but the sender was not handed its ticket
     duplicate: int = 0  # this consumer rank already reported the request
+    not_reader: int = 0  # reports ignored: not from the rank's confirmed reader, nor a decline before any claim
     inconsistent: int = 0  # an expected-consumer count that contradicts an earlier one
     renewals: int = 0  # heartbeat entries that renewed a lease
     stale_heartbeats: int = 0  # heartbeat entries for unknown or ended requests (or another ticket's nonce)
@@ -98,6 +106,7 @@ class ProducerStats:
     claims_confirmed: int = 0  # claims on a live, unclaimed, unedited ticket (claims.py)
     claims_refused: int = 0  # ... answered otherwise (replayed, ended, revoked, edited)
     claims_kept: int = 0  # claims for a request not held (yet): kept like early completions
+    claims_from_gone: int = 0  # claims of an agent NIXL had reported disconnected: each revokes its hold
     probes_sent: int = 0  # liveness checks of consumer agents a hold waits for (peer_probe_s)
     peers_lost: int = 0  # consumer agents NIXL reported disconnected
     incarnations_replaced: int = 0  # welcomed agents superseded by a new agent of the same engine and rank
@@ -164,7 +173,8 @@ class Producer:
             raise
         self.stats = ProducerStats()
         self.fences = StepFences()
-        self._book = HoldBook(clock, self.config.lease_s, self.fences)
+        self._book = HoldBook(clock, self.config.lease_s, self.fences, self.config.held_blocks_cap(cache.num_blocks))
+        self._gone = GoneAgents(clock, self.config.lease_s, self.config.max_pending_handshakes)
         self._early = EarlyCompletions(clock, self.config.early_completion_grace_s, self.config.lease_s,
                                        self.config.early_completion_limit)
         # Consumer agents that said Hello and were welcomed (stage WELCOMED): the only readers.
@@ -224,6 +234,8 @@ class Producer:
                 request_id a non-empty str, num_tokens an int >= 0, nonce an int in [0, 2**63); bools
                 are not ints.
             FenceError: a step marked as writing one of the blocks (mark_blocks_written) has not finished.
+            HoldCapacityError: the blocks it would add take this rank's held blocks past
+                ``EngineConfig.max_held_blocks`` (``held``, ``asked``, ``cap``); nothing pinned.
         """
         self._check_open()
         request_id = inputs.request_id(request_id)
@@ -337,6 +349,11 @@ class Producer:
         return self._book.num_pinned_blocks
 
     @property
+    def held_blocks_cap(self) -> int:
+        """The most blocks this rank keeps pinned (``EngineConfig.max_held_blocks``); ``hold()`` refuses beyond it."""
+        return self._book.max_pinned_blocks
+
+    @property
     def notification_backlog(self) -> int:
         """Notifications taken from NIXL and left for a later poll (at most notifications_per_poll per poll)."""
         return len(self._inbox)
@@ -423,12 +440,13 @@ class Producer:
                 raise WireDecodeError(f"fingerprint {env.fingerprint!r} is not ours")
             record = self._peers.get(sender)
             pending = self._pending.get(sender)
-            if record is None and pending is None:
+            gone = self._gone.get(sender) if record is None and pending is None else None
+            if record is None and pending is None and gone is None:
                 self.stats.unknown_agent += 1
                 self._log.warning("unknown agent", "producer %s: notification from %s, which never handshaked",
                                   self.agent.name, sender)
                 return
-            env, record = self._unseal(sender, env, record, pending)
+            env, record = self._unseal(sender, env, record, pending or gone)
             if env is None:
                 return
             body = wire.decode_body(env)
@@ -448,6 +466,9 @@ class Producer:
             elif rank != record.rank:
                 self._reject("rank", sender)
                 return
+        if gone is not None and not isinstance(body, wire.Claim):
+            self.stats.unknown_agent += 1  # sent before it died; only its claims still matter (lifecycle/gone.py)
+            return
         if isinstance(body, wire.Completion):
             self._on_completion(sender, body)
         elif isinstance(body, wire.Heartbeat):
@@ -520,9 +541,15 @@ class Producer:
         self._count_report(sender, hold, body)
 
     def _on_claim(self, sender: str, body: wire.Claim) -> None:
-        """Confirm a consumer rank's first claim on a live ticket this rank holds as given; refuse any other."""
+        """Confirm a consumer rank's first claim on a live ticket this rank holds as given; refuse any other.
+
+        A claim of an agent NIXL reported disconnected revokes its hold instead (``_on_gone_claim``).
+        """
         hold = self._book.get(body.request_id)
         key = (body.request_id, body.nonce)
+        if sender in self._gone:
+            self._on_gone_claim(sender, body, hold)
+            return
         if hold is not None and hold.nonce == body.nonce:
             if hold.state is not HoldState.HELD:
                 status = wire.ClaimStatus.REVOKED
@@ -530,6 +557,8 @@ class Producer:
                 status = wire.ClaimStatus.EDITED
             elif body.consumer_rank in hold.claimed:
                 status = wire.ClaimStatus.CLAIMED
+            elif body.consumer_rank in hold.heard:  # the rank declined before any claim: the ticket is over for it
+                status = wire.ClaimStatus.ENDED
             else:
                 hold.claimed[body.consumer_rank] = sender
                 status = wire.ClaimStatus.CONFIRMED
@@ -550,9 +579,24 @@ class Producer:
         self._notify(sender, wire.ClaimReply(request=wire.RequestRef(body.request_id, body.nonce),
                                              consumer_rank=body.consumer_rank, status=status))
 
+    def _on_gone_claim(self, sender: str, body: wire.Claim, hold: Hold | None) -> None:
+        """A claim of a dead agent: it may have READs posted, and it will never report. Revoke the hold now."""
+        self.stats.claims_from_gone += 1
+        if hold is not None and hold.nonce == body.nonce:
+            if hold.state is HoldState.HELD:
+                self._revoke_claimed(hold, sender)
+        elif hold is None and (body.request_id, body.nonce) not in self._book.ended:
+            self.stats.claims_kept += 1
+            self._early.keep(sender, body)  # type: ignore[arg-type]  # its hold, when it comes, is revoked at once
+
     def _count_report(self, sender: str, hold: Hold, body: wire.Completion) -> None:
-        heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)
-        if heard is Heard.DUPLICATE:
+        heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender,
+                                  done=body.kind is wire.CompletionKind.DONE)
+        if heard is Heard.NOT_READER:
+            self.stats.not_reader += 1
+            self._log.warning("not reader", "producer %s: %s reported %r for consumer rank %d without its confirmed "
+                              "claim: ignored", self.agent.name, sender, body.request_id, body.consumer_rank)
+        elif heard is Heard.DUPLICATE:
             self.stats.duplicate += 1
         elif heard is Heard.INCONSISTENT:
             self.stats.inconsistent += 1
@@ -652,14 +696,15 @@ class Producer:
         after that and their step fences, never while a live reader could still report DONE.
         """
         for hold in self._book.claimed_by(agent):
-            if hold.state is not HoldState.HELD:  # ended by a reclaim further down this call
-                continue
-            readers = set(self._peers)
-            self.stats.reclaims += 1
-            log.info("producer %s: %r was claimed by %s, which is gone: revoked", self.agent.name,
-                     hold.request_id, agent)
-            self._book.abort(hold, readers)
-            self._send_revokes(hold, readers)
+            if hold.state is HoldState.HELD:  # else ended by a reclaim further down this call
+                self._revoke_claimed(hold, agent)
+
+    def _revoke_claimed(self, hold: Hold, agent: str) -> None:
+        readers = set(self._peers)
+        self.stats.reclaims += 1
+        log.info("producer %s: %r was claimed by %s, which is gone: revoked", self.agent.name, hold.request_id, agent)
+        self._book.abort(hold, readers)
+        self._send_revokes(hold, readers)
 
     def _send_revokes(self, hold: Hold, agents: set[str]) -> None:
         message = wire.Revoke(request=wire.RequestRef(hold.request_id, hold.nonce), lease_s=float(self.config.lease_s))
@@ -684,6 +729,8 @@ class Producer:
             self.stats.notify_failures += 1
             self.stats.peers_lost += 1
             log.info("producer %s: %s is gone, forgetting it: %s", self.agent.name, agent, exc)
+            # Remembered first: its claims still queued, or kept for a later hold, revoke their holds (gone.py).
+            self._gone.add(self._peers.get(agent) or self._pending.get(agent) or record or PeerRecord(agent))
             self._forget(agent)
             self._reclaim(agent)
         except EngineError as exc:  # the agent stays a possible reader: an abort then waits for the lease

@@ -31,10 +31,13 @@ def test_shared_blocks_are_pinned_per_hold_and_released_with_the_last():
     assert book.num_pinned_blocks == 4 and book.num_held_requests == 2
     with pytest.raises(RequestStateError):
         book.add("a", 3, ((5,), (6,)), 1)
-    assert book.report(a, 0, 1, "c0") is Heard.ENDED and book.pop_released() == ["a"]
+    a.claimed, b.claimed = {0: "c0"}, {0: "c0", 1: "c1"}
+    assert book.report(a, 0, 1, "c0", done=True) is Heard.ENDED and book.pop_released() == ["a"]
     assert book.num_pinned_blocks == 2  # block 1 is still b's
-    assert book.report(b, 0, 2, "c0") is Heard.COUNTED and book.report(b, 0, 2, "c0") is Heard.DUPLICATE
-    assert book.report(b, 1, 3, "c1") is Heard.INCONSISTENT and book.report(b, 1, 2, "c1") is Heard.ENDED
+    assert book.report(b, 0, 2, "c0", done=True) is Heard.COUNTED
+    assert book.report(b, 0, 2, "c0", done=True) is Heard.DUPLICATE
+    assert book.report(b, 1, 3, "c1", done=True) is Heard.INCONSISTENT
+    assert book.report(b, 1, 2, "c1", done=True) is Heard.ENDED
     assert book.pop_released() == ["b"] and book.num_pinned_blocks == 0
     assert book.terminal_counts == {"freed": 2}
 
@@ -47,7 +50,7 @@ def test_fences_refuse_a_hold_and_delay_a_release():
     book.fences.finish(1)
     hold = book.add("a", 1, ((1, 2), (3,)), 20)
     book.fences.mark([2], 4)
-    book.report(hold, 0, 1, "c0")
+    book.report(hold, 0, 1, "c0", done=False)  # a decline before any claim
     assert book.pop_released() == [] and book.num_pinned_blocks == 3 and book.num_releasing == 1
     book.fences.finish(4)
     assert book.pop_released() == ["a"] and book.num_pinned_blocks == 0
@@ -85,7 +88,8 @@ def test_aborts_end_at_once_without_readers_else_after_every_ack_or_the_lease():
     assert book.terminal_counts == {"aborted": 3}
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["add", "report", "abort", "ack", "renew", "tick", "mark", "finish"]),
+OPS = st.lists(st.tuples(st.sampled_from(["add", "claim", "report", "decline", "abort", "ack", "renew", "tick", "mark",
+                                          "finish"]),
                          st.integers(0, 4), st.integers(0, 2)), max_size=80)
 
 
@@ -103,8 +107,13 @@ def test_every_hold_ends_once_and_pins_exactly_what_is_not_released(ops):
                 added += 1
             except FenceError:
                 pass
-        elif hold is not None and op == "report":
-            book.report(hold, x, 2, f"c{x}")
+        elif hold is not None and op == "claim" and x not in hold.claimed and x not in hold.heard:
+            hold.claimed[x] = f"c{x}"  # what Producer._on_claim records for a confirmed claim
+        elif hold is not None and op in ("report", "decline"):
+            reader = hold.claimed.get(x)
+            heard = book.report(hold, x, 2, f"c{i % 3}", done=op == "report")
+            if f"c{i % 3}" != reader and (reader is not None or op == "report"):
+                assert heard is Heard.NOT_READER and hold.state is not HoldState.FREED
         elif hold is not None and op == "abort" and hold.state is HoldState.HELD:
             book.abort(hold, {f"c{k}" for k in range(x)})
         elif op == "ack":

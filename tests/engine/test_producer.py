@@ -130,10 +130,15 @@ def test_stray_notifications_free_nothing_and_are_counted(cluster):
                                                                     consumer_rank=0, expected_consumers=2), "0" * 16))
         _wait_stats(p_worker, pk, malformed=2)
         c0.call("call", raw_notify, k0, name, completion(request_id="nobody"))
+        # DONE without a confirmed claim for its rank never counts (docs/lifecycle.md#who-reports); a decline
+        # before any claim does, once per rank and with a consistent expected count.
+        aborted = wire.CompletionKind.ABORTED
         c0.call("call", raw_notify, k0, name, completion())
-        c0.call("call", raw_notify, k0, name, completion())
-        c0.call("call", raw_notify, k0, name, completion(consumer_rank=1, expected_consumers=1))
-        stats = _wait_stats(p_worker, pk, unknown_request=1, completions=1, duplicate=1, inconsistent=1)
+        c0.call("call", raw_notify, k0, name, completion(kind=aborted))
+        c0.call("call", raw_notify, k0, name, completion(kind=aborted))
+        c0.call("call", raw_notify, k0, name, completion(consumer_rank=1, expected_consumers=1, kind=aborted))
+        stats = _wait_stats(p_worker, pk, unknown_request=1, not_reader=1, completions=1, duplicate=1,
+                            inconsistent=1)
         assert stats["freed"] == 0 and _status(p_worker, pk, ["r"])["held"] == ["r"]
         # The second consumer rank reads for real; only then is the request freed, exactly once.
         c1, k1 = consumers.workers[1], consumers.keys[1]

@@ -5,7 +5,14 @@ embedder asks (hold, abort, step fences), sends the messages that follow, and ha
 it releases. Everything runs on the producer's injected clock.
 
 Rules:
-- A hold pins its blocks, counted per hold (prefix caching may share attention blocks).
+- A hold pins its blocks, counted per hold (prefix caching may share attention blocks); at most
+  ``max_pinned_blocks`` distinct blocks are pinned at once, and a hold beyond that is refused before it
+  pins anything (HoldCapacityError).
+- A hold answers to its readers (docs/lifecycle.md#who-reports): a report for consumer rank r counts only
+  from the agent whose claim for r was confirmed; before any claim for r, a decline (an ABORTED or FAILED
+  report) from any agent counts for r, and later claims for r are refused. Anything else is NOT_READER:
+  counted by the caller, ignored here. So no report can end a hold while a confirmed reader has not
+  reported, and nobody who read the blocks before that reports DONE on them.
 - It ends FREED once every expected consumer rank has reported (done, aborted or failed),
   EXPIRED when its lease runs out first, ABORTED when the embedder aborts it.
 - An abort cannot see whether a READ is in flight, so it asks: every consumer agent that may be
@@ -31,7 +38,7 @@ from hybrid_transfer.engine.claims import EndedTickets
 from hybrid_transfer.engine.lifecycle.fences import StepFences
 from hybrid_transfer.engine.lifecycle.lease import LeaseBook
 from hybrid_transfer.engine.lifecycle.state import Hold, HoldState, transition
-from hybrid_transfer.errors import FenceError, RequestStateError
+from hybrid_transfer.errors import FenceError, HoldCapacityError, RequestStateError
 
 
 class Heard(enum.Enum):
@@ -42,14 +49,17 @@ class Heard(enum.Enum):
     DUPLICATE = "duplicate"  # this consumer rank already reported
     INCONSISTENT = "inconsistent"  # an expected-consumer count that contradicts an earlier one
     STALE = "stale"  # the hold no longer waits for anything (it is ending or ended)
+    NOT_READER = "not_reader"  # not from the rank's confirmed reader (nor a decline before any claim): ignored
 
 
 class HoldBook:
     """Holds of one producer rank; used by its owner thread only."""
 
-    def __init__(self, clock: Callable[[], float], lease_s: float, fences: StepFences | None = None):
+    def __init__(self, clock: Callable[[], float], lease_s: float, fences: StepFences | None = None,
+                 max_pinned_blocks: int | None = None):
         self._clock = clock
         self.lease_s = float(lease_s)
+        self.max_pinned_blocks = max_pinned_blocks  # None: no cap (the Producer always passes one)
         self.fences = fences if fences is not None else StepFences()
         self._holds: dict[str, Hold] = {}
         self._pins: dict[int, int] = {}  # block id -> holds pinning it (ended holds until released)
@@ -67,6 +77,7 @@ class HoldBook:
         Raises:
             RequestStateError: the request is already held.
             FenceError: a step that writes one of the blocks has not finished (hold only complete writes).
+            HoldCapacityError: its blocks not pinned yet would take the pinned blocks past ``max_pinned_blocks``.
         """
         if request_id in self._holds:
             raise RequestStateError("is already held", request_id=request_id, state=self._holds[request_id].state.value)
@@ -75,6 +86,11 @@ class HoldBook:
         if pending:
             raise FenceError(f"request {request_id!r} held before its writes finished", block_ids=list(pending),
                              steps=list(pending.values()), finished_step=self.fences.finished_step)
+        if self.max_pinned_blocks is not None:
+            asked = len({b for b in flat if b not in self._pins})  # blocks shared with a live hold cost nothing
+            if len(self._pins) + asked > self.max_pinned_blocks:
+                raise HoldCapacityError(request_id=request_id, held=len(self._pins), asked=asked,
+                                        cap=self.max_pinned_blocks)
         now = self._clock()
         hold = Hold(request_id, nonce, block_ids, num_tokens, held_at=now, changed_at=now)
         hold.expires_at = self._leases.start(request_id, now)
@@ -88,8 +104,15 @@ class HoldBook:
         return self._holds.get(request_id)
 
     # ---- what consumers say -------------------------------------------------------------
-    def report(self, hold: Hold, consumer_rank: int, expected_consumers: int, agent: str) -> Heard:
-        """A consumer rank is finished with the request (done, aborted or failed)."""
+    def report(self, hold: Hold, consumer_rank: int, expected_consumers: int, agent: str, *, done: bool) -> Heard:
+        """``agent`` reports consumer rank ``consumer_rank`` finished with the request: ``done``, else aborted or failed.
+
+        Only the agent whose claim for the rank was confirmed speaks for it; before any claim for the rank, a
+        decline (not ``done``) from anyone does (the caller has checked the agent handshaked).
+        """
+        reader = hold.claimed.get(consumer_rank)
+        if agent != reader and (reader is not None or done):
+            return Heard.NOT_READER
         if consumer_rank in hold.heard:
             return Heard.DUPLICATE
         if hold.expected_consumers is None:
