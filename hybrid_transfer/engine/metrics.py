@@ -98,6 +98,9 @@ class ConsumerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     unexpected_notifications: int
     claims_refused: int
     revokes: int
+    links: int = 0  # producer engines linked now (live, handshaking or failed and backing off)
+    link_failures: int = 0  # handshakes with an engine that failed (each starts a backoff; docs/security.md#links)
+    links_evicted: int = 0  # failed links dropped, least recently used first, to make room (max_links)
 
 
 class ProducerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -145,7 +148,8 @@ def consumer_metrics(consumer) -> ConsumerMetrics:
         byte_mismatches=r.byte_mismatches, descriptors=r.descriptors, reads_posted=s.reads_posted,
         post_to_done=r.latency.snapshot(), quarantined_blocks=consumer.num_quarantined_blocks,
         rejected_messages=dict(consumer.rejections.counts), unexpected_notifications=s.unexpected_notifications,
-        claims_refused=s.claims_refused, revokes=s.revokes)
+        claims_refused=s.claims_refused, revokes=s.revokes, links=consumer.num_links,
+        link_failures=consumer.link_stats.failures, links_evicted=consumer.link_stats.evicted)
 
 
 def producer_metrics(producer) -> ProducerMetrics:
