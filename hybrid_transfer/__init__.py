@@ -20,9 +20,25 @@ _LAZY = {
     "EngineConfig": "hybrid_transfer.engine",
     "Producer": "hybrid_transfer.engine",
     "Ticket": "hybrid_transfer.engine",
+    "ReadState": "hybrid_transfer.engine",
+    "FailureCause": "hybrid_transfer.engine",
     "quiet_nixl_logging": "hybrid_transfer.engine",
     "describe_cache": "hybrid_transfer.planner_input",
     "memory_space": "hybrid_transfer.planner_input",
+    # Embedding in a serving engine (docs/embedding.md): a scheduler issues tickets from its ranks' cards.
+    "EngineCard": "hybrid_transfer.engine",
+    "RankCard": "hybrid_transfer.engine",
+    "issue_ticket": "hybrid_transfer.engine",
+    "encode_rank_card": "hybrid_transfer.engine",
+    "decode_rank_card": "hybrid_transfer.engine",
+    "ticket_to_params": "hybrid_transfer.engine",
+    "ticket_from_params": "hybrid_transfer.engine",
+    "encode_ticket": "hybrid_transfer.engine",
+    "decode_ticket": "hybrid_transfer.engine",
+    "EngineRankSpec": "hybrid_transfer.layout.engine_spec",
+    "EngineAttentionSpec": "hybrid_transfer.layout.engine_spec",
+    "EngineStateSpec": "hybrid_transfer.layout.engine_spec",
+    "geometry_from_engine_spec": "hybrid_transfer.layout.engine_spec",
 }
 
 __all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "kernel_block_ids", "load_preset", *_LAZY]

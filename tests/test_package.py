@@ -19,6 +19,27 @@ def test_embedder_helpers_are_exported_from_their_one_home():
     assert hybrid_transfer.quiet_nixl_logging is quiet_nixl_logging
 
 
+def test_the_embedding_api_is_importable_from_the_package():
+    """issue 21 row 5: docs/embedding.md's names were importable only from hybrid_transfer.engine."""
+    from hybrid_transfer import engine
+    from hybrid_transfer.layout import engine_spec
+
+    for name in ("EngineCard", "RankCard", "issue_ticket", "encode_rank_card", "decode_rank_card", "ticket_to_params",
+                 "ticket_from_params", "encode_ticket", "decode_ticket", "ReadState", "FailureCause"):
+        assert getattr(hybrid_transfer, name) is getattr(engine, name), name
+    for name in ("EngineRankSpec", "EngineAttentionSpec", "EngineStateSpec", "geometry_from_engine_spec"):
+        assert getattr(hybrid_transfer, name) is getattr(engine_spec, name), name
+
+
+def test_importing_the_package_loads_no_torch_nixl_or_zeromq():
+    import subprocess
+    import sys
+
+    probe = "import sys, hybrid_transfer; print(sorted(m for m in ('torch', 'nixl', 'zmq') if m in sys.modules))"
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "[]", proc.stderr
+
+
 def _imported_roots(path):
     """Top-level module names a source file imports (statements and ``importlib.import_module("...")`` literals)."""
     import ast
