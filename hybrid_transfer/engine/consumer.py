@@ -51,7 +51,7 @@ from hybrid_transfer.engine.lifecycle.state import (
 from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.pack.reader import PackReader
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_agent_name
-from hybrid_transfer.engine.peers import EngineLink, LinkState, Peers
+from hybrid_transfer.engine.peers import EngineLink, LinkState, LinkStats, Peers
 from hybrid_transfer.errors import (
     BlockBusyError,
     ByteCountError,
@@ -396,6 +396,21 @@ class Consumer:
             raise TicketError(f"names addresses {list(ticket.addresses)}, but engine {ticket.engine_key} is linked "
                               f"at {list(link.addresses)}", request_id=ticket.request_id, field="addresses")
         return link
+
+    @property
+    def num_links(self) -> int:
+        """Producer engines this rank holds a link to (live, handshaking or failed and backing off)."""
+        return self._peers.num_links
+
+    @property
+    def num_handshake_sockets(self) -> int:
+        """Side-channel sockets open now: one per producer rank address whose handshake is in flight."""
+        return self._peers.num_sockets
+
+    @property
+    def link_stats(self) -> LinkStats:
+        """Link failures, retries after a backoff, evictions and expiries since start (engine/peers.py)."""
+        return self._peers.stats
 
     @property
     def num_pending_declines(self) -> int:
