@@ -10,7 +10,7 @@ import itertools
 
 import pytest
 
-from hybrid_transfer.engine.config import EngineConfig, rank_port_offset
+from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.errors import ConfigError
 
 
@@ -57,6 +57,8 @@ def test_bad_rank_arguments_are_refused_naming_them(kwargs, field):
     with pytest.raises(ConfigError) as info:
         EngineConfig.from_dict({"side_channel_port": 5600}, **kwargs)
     assert info.value.field == field
+    from hybrid_transfer.engine.config import rank_port_offset
+
     with pytest.raises(ConfigError):
         rank_port_offset(**{"tp_size": None, "dp_index": 0, **kwargs})
 
