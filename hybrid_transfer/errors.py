@@ -2,6 +2,10 @@
 
 Each subclass keeps the offending values as attributes so callers (and tests)
 can act on them without parsing messages.
+
+Messages are bounded (issue 19, docs/limits.md#error-messages): a value a message echoes is shown
+through ``echo``, cut at ECHO_CHARS characters, and a whole message at MESSAGE_CHARS, so a hostile
+10 MB field never becomes a 10 MB message or log line. The attributes keep the values whole.
 """
 
 from __future__ import annotations
@@ -9,9 +13,35 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+ECHO_CHARS = 200  # the most characters of one echoed value in an error message
+MESSAGE_CHARS = 8 * ECHO_CHARS  # the most characters of a whole message (a few echoed values and the text)
+
+
+def echo(value: object) -> str:
+    """``repr(value)`` cut at ECHO_CHARS characters, saying how long it was (how many items, for a sized one)."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a message must never fail on the value it describes
+        return f"<unprintable {type(value).__name__}: {type(exc).__name__}>"
+    if len(text) <= ECHO_CHARS:
+        return text
+    size = f"{len(value)} items" if isinstance(value, (list, tuple, dict, set, frozenset)) else f"{len(text)} chars"
+    return f"{text[:ECHO_CHARS]}... ({size})"
+
+
+def _bounded(message: str) -> str:
+    if len(message) <= MESSAGE_CHARS:
+        return message
+    return f"{message[:MESSAGE_CHARS]}... (message cut, {len(message)} chars)"
+
 
 class HybridTransferError(Exception):
-    """Base class of every error this library raises on purpose."""
+    """Base class of every error this library raises on purpose; its message is bounded (``MESSAGE_CHARS``)."""
+
+    def __init__(self, *args: object):
+        if args and isinstance(args[0], str):
+            args = (_bounded(args[0]), *args[1:])
+        super().__init__(*args)
 
 
 class ConfigError(HybridTransferError, ValueError):
@@ -28,7 +58,7 @@ class UnknownPresetError(ConfigError):
 
     def __init__(self, name: str, known: Sequence[str]):
         super().__init__(
-            f"unknown preset {name!r}; known presets: {', '.join(sorted(known))}",
+            f"unknown preset {echo(name)}; known presets: {', '.join(sorted(known))}",
             field="preset",
             value=name,
         )
@@ -58,7 +88,7 @@ class FingerprintMismatch(HybridTransferError):
 
     def __init__(self, differences: Sequence[tuple[str, Any, Any]]):
         self.differences = tuple(differences)
-        parts = [f"{name}: ours={ours!r} theirs={theirs!r}" for name, ours, theirs in differences]
+        parts = [f"{name}: ours={echo(ours)} theirs={echo(theirs)}" for name, ours, theirs in differences]
         super().__init__("incompatible peer: " + "; ".join(parts))
 
 
@@ -167,7 +197,7 @@ class EngineError(HybridTransferError):
     """A NIXL call failed; ``operation`` names it and ``agent`` the local agent (the NIXL error is the cause)."""
 
     def __init__(self, message: str, *, operation: str, agent: str, peer: str | None = None):
-        super().__init__(f"{operation} on agent {agent!r}" + (f" (peer {peer!r})" if peer else "") + f": {message}")
+        super().__init__(f"{operation} on agent {echo(agent)}" + (f" (peer {echo(peer)})" if peer else "") + f": {message}")
         self.operation = operation
         self.agent = agent
         self.peer = peer
@@ -198,7 +228,7 @@ class HandshakeError(HybridTransferError):
         self.differences = tuple(differences)
         self.engine_key = engine_key  # (engine_id, incarnation) of the refusing engine, when it said
         self.cause = cause
-        parts = [f"{name}: consumer={ours!r} producer={theirs!r}" for name, ours, theirs in self.differences]
+        parts = [f"{name}: consumer={echo(ours)} producer={echo(theirs)}" for name, ours, theirs in self.differences]
         where = f" (producer {address})" if address else ""
         super().__init__(f"handshake failed{where}: {message}" + (": " + "; ".join(parts) if parts else ""))
 
@@ -215,7 +245,7 @@ class TicketError(HybridTransferError, ValueError):
     """A ticket the consumer refuses before any byte moves."""
 
     def __init__(self, message: str, *, request_id: str, **values: Any):
-        super().__init__(f"request {request_id!r}: {message}")
+        super().__init__(f"request {echo(request_id)}: {message}")
         self.request_id = request_id
         self.values = values
         for key, value in values.items():
@@ -242,7 +272,7 @@ class RequestStateError(HybridTransferError):
     """A request id used against its lifecycle: held or read twice, unknown, or an illegal state change."""
 
     def __init__(self, message: str, *, request_id: str, state: str | None = None):
-        super().__init__(f"request {request_id!r}: {message}")
+        super().__init__(f"request {echo(request_id)}: {message}")
         self.request_id = request_id
         self.state = state
 
@@ -251,7 +281,7 @@ class ReadDeadlineError(HybridTransferError):
     """A consumer request did not finish within its deadline (``deadline_s``, in ``state``)."""
 
     def __init__(self, *, request_id: str, deadline_s: float, state: str):
-        super().__init__(f"request {request_id!r} still {state} after its {deadline_s} s deadline")
+        super().__init__(f"request {echo(request_id)} still {state} after its {deadline_s} s deadline")
         self.request_id = request_id
         self.deadline_s = deadline_s
         self.state = state
@@ -286,7 +316,7 @@ class SourceLostError(HybridTransferError):
     """A producer rank a request depends on vanished (``agent``): its READ cannot finish."""
 
     def __init__(self, *, request_id: str, agent: str, detail: str = ""):
-        super().__init__(f"request {request_id!r}: producer agent {agent!r} is gone" + (f" ({detail})" if detail else ""))
+        super().__init__(f"request {echo(request_id)}: producer agent {echo(agent)} is gone" + (f" ({detail})" if detail else ""))
         self.request_id = request_id
         self.agent = agent
         self.detail = detail
@@ -296,8 +326,8 @@ class TicketRevokedError(HybridTransferError):
     """The producer aborted the request, or its lease expired, before this consumer finished reading it."""
 
     def __init__(self, *, request_id: str, nonce: int, agent: str | None = None):
-        super().__init__(f"request {request_id!r}: the producer revoked its ticket"
-                         + (f" (agent {agent!r})" if agent else ""))
+        super().__init__(f"request {echo(request_id)}: the producer revoked its ticket"
+                         + (f" (agent {echo(agent)})" if agent else ""))
         self.request_id = request_id
         self.nonce = nonce
         self.agent = agent
@@ -310,7 +340,7 @@ class TicketClaimError(HybridTransferError):
     """
 
     def __init__(self, *, request_id: str, nonce: int, status: str, agent: str):
-        super().__init__(f"request {request_id!r}: the producer agent {agent!r} refused the claim: {status}")
+        super().__init__(f"request {echo(request_id)}: the producer agent {echo(agent)} refused the claim: {status}")
         self.request_id = request_id
         self.nonce = nonce
         self.status = status
@@ -321,7 +351,7 @@ class RequestAbortedError(HybridTransferError):
     """The embedder aborted the request on this side (``state``: where it was when aborted)."""
 
     def __init__(self, *, request_id: str, state: str):
-        super().__init__(f"request {request_id!r} aborted while {state}")
+        super().__init__(f"request {echo(request_id)} aborted while {state}")
         self.request_id = request_id
         self.state = state
 
@@ -330,7 +360,7 @@ class FenceError(HybridTransferError, ValueError):
     """Blocks handed over while an engine step that writes them has not finished (step fences)."""
 
     def __init__(self, message: str, *, block_ids: Sequence[int], steps: Sequence[int], finished_step: int):
-        super().__init__(f"{message}: blocks {list(block_ids)} wait for steps {list(steps)}, "
+        super().__init__(f"{message}: blocks {echo(list(block_ids))} wait for steps {echo(list(steps))}, "
                          f"finished up to {finished_step}")
         self.block_ids = tuple(block_ids)
         self.steps = tuple(steps)
@@ -345,7 +375,7 @@ class HoldCapacityError(HybridTransferError):
     """
 
     def __init__(self, *, request_id: str, held: int, asked: int, cap: int):
-        super().__init__(f"request {request_id!r}: holding it would pin {asked} more blocks on top of the {held} "
+        super().__init__(f"request {echo(request_id)}: holding it would pin {asked} more blocks on top of the {held} "
                          f"held, above max_held_blocks={cap}; nothing was pinned")
         self.request_id = request_id
         self.held = held
@@ -357,8 +387,8 @@ class BlockBusyError(HybridTransferError, ValueError):
     """Local blocks still owned by another request (reading, or quarantined until nothing can write them)."""
 
     def __init__(self, *, request_id: str, block_ids: Sequence[int], owners: Sequence[str]):
-        super().__init__(f"request {request_id!r}: local blocks {list(block_ids)} still belong to "
-                         f"{sorted(set(owners))}")
+        super().__init__(f"request {echo(request_id)}: local blocks {echo(list(block_ids))} still belong to "
+                         f"{echo(sorted(set(owners)))}")
         self.request_id = request_id
         self.block_ids = tuple(block_ids)
         self.owners = tuple(owners)
@@ -383,7 +413,7 @@ class TicketMismatchError(TicketError):
 
     def __init__(self, *, request_id: str, differences: Sequence[tuple[str, Any, Any]]):
         diffs = tuple(differences)
-        parts = "; ".join(f"{name}: rank={ours!r} ticket={theirs!r}" for name, ours, theirs in diffs)
+        parts = "; ".join(f"{name}: rank={echo(ours)} ticket={echo(theirs)}" for name, ours, theirs in diffs)
         super().__init__(f"ticket disagrees with this producer rank: {parts}", request_id=request_id,
                          differences=diffs)
 
@@ -392,7 +422,7 @@ class TicketParamsError(WireDecodeError):
     """A ticket's JSON form (``kv_transfer_params``) with a missing, unknown or wrongly typed ``field``."""
 
     def __init__(self, message: str, *, field: str, value: Any = None):
-        super().__init__(f"ticket params field {field!r}: {message}", kind="ticket")
+        super().__init__(f"ticket params field {echo(field)}: {message}", kind="ticket")
         self.field = field
         self.value = value
 
@@ -406,7 +436,7 @@ class EngineSpecMismatch(ConfigError):
 
     def __init__(self, differences: Sequence[tuple[str, Any, Any]]):
         self.differences = tuple(differences)
-        parts = "; ".join(f"{name}: engine={eng!r} registry={reg!r}" for name, eng, reg in self.differences)
+        parts = "; ".join(f"{name}: engine={echo(eng)} registry={echo(reg)}" for name, eng, reg in self.differences)
         super().__init__(f"the engine's cache disagrees with the model registry: {parts}",
                          field=self.differences[0][0] if self.differences else None)
 

@@ -52,7 +52,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from hybrid_transfer.errors import WireDecodeError
+from hybrid_transfer.errors import WireDecodeError, echo
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
@@ -422,8 +422,7 @@ def _named(data: bytes, exc: msgspec.ValidationError) -> str:
 
 
 def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(value) if hasattr(value, '__len__') else '?'} long)"
+    return echo(value)  # cut at errors.ECHO_CHARS, like every echoed value
 
 
 # ---- pack mode: where a producer rank staged a request (engine/pack/stager.py) ------------------------

@@ -252,3 +252,56 @@ def test_pending_handshake_limits_are_validated(field, value):
 def test_the_limits_are_config_fields_with_defaults():
     config = msgspec.convert({}, EngineConfig)
     assert config.max_pending_handshakes > 0 and config.pending_handshake_s > 0
+
+
+# ---- error messages echo at most ECHO_CHARS of a value, and are bounded whole (issue 19, row 7) -------------
+
+
+def test_a_huge_field_is_cut_in_the_error_message_at_one_constant():
+    from hybrid_transfer import errors
+    from hybrid_transfer.errors import ConfigError, PlanError, TicketClaimError
+
+    huge = "h" * 10_000_000  # the issue's 10 MB field
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(mode=huge).validate()
+    message = str(info.value)
+    assert len(message) <= errors.MESSAGE_CHARS + 100 and "mode" in message
+    assert info.value.value == huge  # the attribute keeps the value whole
+    claim = TicketClaimError(request_id=huge, nonce=1, agent="a", status="ENDED")
+    assert errors.echo(huge) == repr(huge)[: errors.ECHO_CHARS] + f"... ({len(huge) + 2} chars)"
+    assert errors.echo(huge) in str(claim)
+    assert len(str(claim)) < 2 * errors.ECHO_CHARS + 200
+    assert len(str(PlanError(huge))) <= errors.MESSAGE_CHARS + 100  # any message, however it was built
+    assert errors.echo(list(range(100_000))).endswith("... (100000 items)")
+    assert errors.echo("short") == "'short'"
+
+
+def test_every_typed_error_built_from_a_huge_message_is_bounded():
+    import inspect
+
+    from hybrid_transfer import errors
+
+    huge = "m" * 1_000_000
+    checked = 0
+    for cls in vars(errors).values():
+        if not (inspect.isclass(cls) and issubclass(cls, errors.HybridTransferError)):
+            continue
+        try:
+            error = cls(huge)
+        except (TypeError, ValueError):  # other signatures: their messages echo through errors.echo
+            continue
+        assert len(str(error)) <= errors.MESSAGE_CHARS + 100, cls.__name__
+        checked += 1
+    assert checked >= 5
+
+
+def test_a_ticket_field_is_echoed_cut():
+    from hybrid_transfer import errors
+
+    ticket = wire.Ticket(engine_id="e", incarnation=1, addresses=("tcp://h:1",), tp_size=1, request_id="r",
+                         nonce=1, block_ids=((1,),), num_tokens=-1, state_position=0, lease_s=1.0,
+                         mac=b"")
+    bad = msgspec.structs.replace(ticket, block_ids=(tuple(range(1_000_000)),), num_tokens=-1)
+    with pytest.raises(WireDecodeError) as info:
+        wire.check_ticket(bad)
+    assert "num_tokens" in str(info.value) and len(str(info.value)) <= errors.MESSAGE_CHARS + 100
