@@ -50,11 +50,16 @@ class Engine:
     """One vLLM engine: its real Scheduler here, one worker-side connector per TP rank on ``hosts``."""
 
     def __init__(self, name: str, model_dir, hosts: Sequence[Host], *, tp_size: int, block_size: int, kv_role: str,
-                 num_blocks: int = 64, extra: dict | None = None, is_prefill: bool, poison: bool = True, **cfg_kwargs):
+                 num_blocks: int = 64, extra: dict | None = None, is_prefill: bool, poison: bool = True,
+                 configure: Callable | None = None, **cfg_kwargs):
+        """``configure(vllm_config)`` runs after the config's post-init, before the cache config and scheduler
+        are built (what the CPU platform resets there, e.g. async scheduling, a test sets back)."""
         self.name = name
         self.is_prefill = is_prefill
         self.vllm_config = make_vllm_config(model_dir, tp_size=tp_size, block_size=block_size, kv_role=kv_role,
                                             extra=extra, **cfg_kwargs)
+        if configure is not None:
+            configure(self.vllm_config)
         self.kv_cache_config = make_kv_cache_config(self.vllm_config, num_blocks)
         self.scheduler = make_scheduler(self.vllm_config, self.kv_cache_config)
         self.connector = self.scheduler.connector

@@ -137,10 +137,11 @@ def make_kv_cache_config(cfg: VllmConfig, num_blocks: int) -> KVCacheConfig:
 
 
 def make_scheduler(cfg: VllmConfig, kvc: KVCacheConfig) -> Scheduler:
-    """vLLM's v1 Scheduler, built as EngineCore builds it (block sizes resolved by vLLM)."""
+    """vLLM's v1 Scheduler (AsyncScheduler under async scheduling), built as EngineCore builds it (its class from
+    ``get_scheduler_cls``, block sizes resolved by vLLM)."""
     cfg.cache_config.num_gpu_blocks = kvc.num_blocks
     scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(kvc, cfg)
-    return Scheduler(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
+    return cfg.scheduler_config.get_scheduler_cls()(vllm_config=cfg, kv_cache_config=kvc, log_stats=True,
                      structured_output_manager=StructuredOutputManager(cfg), block_size=scheduler_block_size,
                      hash_block_size=hash_block_size)
 
