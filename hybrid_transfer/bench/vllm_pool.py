@@ -6,10 +6,12 @@ single_type_kv_cache_manager.py:
 
 - One ``BlockPool`` for every KV cache group. Its free queue starts as ids 0 .. N-1 in order, and id 0
   is popped at once as the null block, so requests get ids from 1.
-- ``allocate_slots`` asks each group's manager in the KVCacheConfig's group order (attention first,
-  then the GDN groups, as docs/layout.md lists them); each pops its new blocks from the head of the
-  queue: ceil(tokens / block_size) for an attention group, one for a GDN group (vLLM gives a Mamba
-  group block_size = max_model_len, so a prompt of at most that length needs one block).
+- ``allocate_slots`` asks each group's manager in the KVCacheConfig's group order; each pops its new
+  blocks from the head of the queue: ceil(tokens / block_size) for an attention group, one for a GDN
+  group (vLLM gives a Mamba group block_size = max_model_len, so a prompt of at most that length needs
+  one block). vLLM orders the kinds as the model's layers first show them (kv_cache_planning.py,
+  ``_get_kv_cache_groups_uniform_page_size``): GDN, GDN, GDN, attention for every Qwen3.5 preset, where
+  ours put attention first (``vllm_group_order`` maps one onto the other).
 - ``free`` walks the groups in the same order; each group's blocks go back last-first, and blocks
   without a prefix-cache hash go to the FRONT of the queue (``BlockPool.free_blocks`` prepends them:
   "LIFO reuse of non-cached blocks"). Older vLLM appended them at the tail instead; 0.33 prepends.
@@ -171,9 +173,19 @@ def replay(events: Sequence[Event], num_blocks: int,
     return out
 
 
+def vllm_group_order(geometry: RankGeometry) -> tuple[int, ...]:
+    """Our group indices (tensor_map order) in vLLM 0.33's order: kinds in the order the model's layers first
+    show them, each kind's groups in our order (both split a kind's layers as layers[i::num_groups])."""
+    kinds = geometry.model.layer_kinds
+    groups = geometry.tensor_map.groups
+    return tuple(sorted(range(len(groups)), key=lambda i: (kinds.index(groups[i].kind), i)))
+
+
 def group_block_sizes(geometry: RankGeometry) -> tuple[int | None, ...]:
-    """The bench's groups in tensor_map order (vLLM's): the logical block size, or None for a GDN group."""
-    return tuple(geometry.block_size if g.kind is LayerKind.ATTENTION else None for g in geometry.tensor_map.groups)
+    """Groups in vLLM's order: the logical block size of an attention group, None for a GDN group."""
+    groups = geometry.tensor_map.groups
+    return tuple(geometry.block_size if groups[i].kind is LayerKind.ATTENTION else None
+                 for i in vllm_group_order(geometry))
 
 
 def bench_pool_blocks(geometry: RankGeometry, tokens: int, requests: int) -> int:
@@ -186,4 +198,6 @@ def pool_layouts(geometry: RankGeometry, tokens: int, requests: int, num_blocks:
     """The ``requests`` timed requests of one side, after a churn in a pool of ``num_blocks`` blocks."""
     churn = Churn(tokens=tokens, timed=requests, live=LIVE_PER_TIMED * requests)
     ids = replay(churn_trace(churn, seed), num_blocks, group_block_sizes(geometry))
-    return [RequestLayout(block_ids=tuple(tuple(g) for g in ids[r]), num_tokens=tokens) for r in churn.timed_ids]
+    where = {ours: k for k, ours in enumerate(vllm_group_order(geometry))}  # our group -> its place in vLLM's
+    return [RequestLayout(block_ids=tuple(tuple(ids[r][where[i]]) for i in range(len(where))), num_tokens=tokens)
+            for r in churn.timed_ids]

@@ -122,6 +122,19 @@ def test_churn_refuses_bad_values(bad):
         churn_trace(Churn(**args), 0)
 
 
+def test_vllm_order_lists_the_kind_of_layer_0_first(tiny_model):
+    from hybrid_transfer.layout.model import LayerKind
+
+    geo = RankGeometry(tiny_model, 1, 0)
+    assert tiny_model.layer_kinds[0] is LayerKind.GDN
+    assert [g.kind for g in geo.tensor_map.groups][0] is LayerKind.ATTENTION  # ours: attention first
+    assert vllm_pool.vllm_group_order(geo) == (1, 2, 3, 0)
+    assert vllm_pool.group_block_sizes(geo) == (None, None, None, geo.block_size)
+    # the bench's layouts come back in our order: a fresh pool gives the GDN groups ids 1, 2, 3
+    churn_free = vllm_pool.pool_layouts(geo, geo.block_size * 2, 1, vllm_pool.bench_pool_blocks(geo, 1, 1) + 200, 0)
+    assert [len(g) for g in churn_free[0].block_ids] == [2, 1, 1, 1]
+
+
 @pytest.mark.parametrize(("preset", "tp", "tokens"), [("qwen3.5-0.8b", 1, 2048), ("qwen3.5-397b-a17b", 8, 8192)])
 def test_pool_layouts_fit_the_request_model(preset, tp, tokens):
     geo = RankGeometry(load_preset(preset), tp, 0)
