@@ -17,10 +17,11 @@ import time
 import uuid
 
 import pytest
+from api_ops import fill, hold_ticket_and_poll, rank_card
 from harness import TINY, EngineRanks, RankSpec, Worker, hold_everywhere
 from lifecycle_ops import advance_clock, create_producer, pause, resume, status, wait_results
 
-from hybrid_transfer.engine import EngineConfig
+from hybrid_transfer.engine import EngineCard, EngineConfig, encode_ticket, issue_ticket
 from hybrid_transfer.verify import RequestLayout
 
 WAIT_S = 30.0
@@ -120,6 +121,92 @@ def test_row6_a_consumer_killed_with_four_reads_in_flight_gives_its_blocks_back_
         assert st["stats"]["reclaims"] == 4 and st["stats"]["peers_lost"] == 1
         assert st["stats"]["completions"] == 0  # nobody reported: the release came from the reclaim
         assert sorted(p_worker.call("wait_freed", pk, rids, WAIT_S)) == sorted(rids)
+    finally:
+        producers.close()
+
+
+def _kill(victim: Worker) -> None:
+    os.kill(victim.process.pid, signal.SIGKILL)
+    victim.process.join(timeout=30)
+    assert victim.process.exitcode == -signal.SIGKILL
+
+
+def _rounds_after_loss(p_worker: Worker, pk: str, rids: list[str]) -> tuple[int, int]:
+    """Move the producer's clock one probe interval per round (round 0: before any move); the first round in
+    which NIXL had reported the agent disconnected, and the first in which every hold of ``rids`` was released."""
+    lost = None
+    for rounds in range(MAX_ROUNDS + 1):
+        if rounds:
+            assert p_worker.call("call", advance_clock, pk, PROBE_S) < LEASE_S
+        p_worker.call("settle", 0.05)
+        st = p_worker.call("call", status, pk, rids)
+        if lost is None and st["stats"]["peers_lost"]:
+            lost = rounds
+        if lost is not None and set(st["holds"].values()) == {None} and st["pinned_blocks"] == 0:
+            return lost, rounds
+    raise AssertionError(f"blocks still pinned after {MAX_ROUNDS} probe intervals (agent lost in round {lost}): {st}")
+
+
+def test_row6_a_consumer_killed_with_four_claims_still_queued_gives_every_hold_back(cluster, victim):
+    """Issue 19, row 6: the claims wait at a producer that is not polled when the consumer dies, so the first
+    answer (or probe) finds it gone while the other claims are still to be taken in. Each of them revokes
+    its hold too: all four within two probe intervals of NIXL reporting the agent disconnected."""
+    p_worker = cluster.workers[0]
+    producers = _producer(p_worker, PROBE_S)
+    pk = producers.keys[0]
+    try:
+        ck = _consumer(victim, f"decode-{uuid.uuid4().hex[:6]}")
+        victim.call("connect", ck, producers.addresses[0], 10.0)
+        _until("the welcome", lambda: victim.call("call", status, ck)["stats"]["welcomes"] == 1)
+        rids = [f"q{i}-{uuid.uuid4().hex[:4]}" for i in range(4)]
+        tickets = [hold_everywhere(producers, rid, _layout(i), seed=40 + i) for i, rid in enumerate(rids)]
+        p_worker.call("call", pause, pk)  # the claims queue up in its NIXL agent
+        for i, ticket in enumerate(tickets):
+            victim.call("start_read", ck, ticket, _local(i), 20)
+        victim.call("settle", 0.2)  # its claims are on the wire; no answer can come while the producer is paused
+        _kill(victim)
+        p_worker.call("call", resume, pk)
+        lost, released = _rounds_after_loss(p_worker, pk, rids)
+        print(f"row 6 (queued claims): agent reported gone in round {lost}, 4 holds released in round {released} "
+              f"(probe {PROBE_S} s, lease {LEASE_S} s)")
+        assert released - lost <= 2
+        st = p_worker.call("call", status, pk, rids)
+        assert st["terminal"] == {"aborted": 4} and st["stats"]["reclaims"] == 4 and st["stats"]["peers_lost"] == 1
+        assert st["stats"]["completions"] == 0
+        assert sorted(p_worker.call("wait_freed", pk, rids, WAIT_S)) == sorted(rids)
+    finally:
+        producers.close()
+
+
+def test_row6_claims_kept_before_their_hold_are_revoked_at_the_hold_once_the_agent_is_gone(cluster, victim):
+    """A scheduler issued the tickets and the consumer read before the producer rank held (its claims are kept,
+    lifecycle/early.py). It dies; the first hold finds that out, and every later hold whose kept claim came
+    from it is revoked at once instead of being confirmed to an agent nobody probes."""
+    p_worker = cluster.workers[0]
+    producers = _producer(p_worker, PROBE_S)
+    pk = producers.keys[0]
+    try:
+        ck = _consumer(victim, f"decode-{uuid.uuid4().hex[:6]}")
+        victim.call("connect", ck, producers.addresses[0], 10.0)
+        _until("the welcome", lambda: victim.call("call", status, ck)["stats"]["welcomes"] == 1)
+        card = EngineCard.from_ranks([p_worker.call("call", rank_card, pk)])
+        rids = [f"k{i}-{uuid.uuid4().hex[:4]}" for i in range(4)]
+        tickets = [issue_ticket(card, rid, _layout(i).block_ids, 20) for i, rid in enumerate(rids)]
+        for i, ticket in enumerate(tickets):
+            p_worker.call("call", fill, pk, _layout(i), 50 + i)
+            victim.call("start_read", ck, encode_ticket(ticket), _local(i), 20)
+        _until("the kept claims", lambda: p_worker.call("call", status, pk)["stats"]["claims_kept"] == 4)
+        _kill(victim)
+        p_worker.call("call", hold_ticket_and_poll, pk, encode_ticket(tickets[0]))
+        lost, released = _rounds_after_loss(p_worker, pk, rids[:1])  # its answer or a probe finds the agent gone
+        assert released - lost <= 2
+        for ticket in tickets[1:]:
+            p_worker.call("call", hold_ticket_and_poll, pk, encode_ticket(ticket))
+        _, released = _rounds_after_loss(p_worker, pk, rids)
+        assert released <= 2, released
+        st = p_worker.call("call", status, pk, rids)
+        assert st["terminal"] == {"aborted": 4} and st["stats"]["reclaims"] == 4 and st["stats"]["peers_lost"] == 1
+        assert st["stats"]["completions"] == 0 and st["stats"]["claims_from_gone"] == 3
     finally:
         producers.close()
 
