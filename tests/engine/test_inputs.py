@@ -166,3 +166,38 @@ def test_a_ticket_with_an_invalid_field_is_refused_at_decode_naming_it(changes, 
         wire.decode_ticket(data)
     message = str(info.value)
     assert shown in message and "state position" not in message  # not the misleading N-1 message
+
+
+# ---- hostile tickets (issue 19 row 2): a typed error before any socket, connect or pin ------------------------
+HOSTILE_TICKETS = {
+    "huge-tp": {"tp_size": 2**100000},
+    "huge-version": {"version": 2**100000},
+    "huge-nonce": {"nonce": 2**100000},
+    "huge-block-id": {"block_ids": ((6, 2**100000), (8,), (9,), (10,))},
+    "garbage-address": {"addresses": ("garbage",)},
+    "port-0": {"addresses": ("tcp://127.0.0.1:0",)},
+    "2000-addresses": {"tp_size": 2000, "addresses": tuple(f"tcp://127.0.0.1:{5000 + i}" for i in range(2000))},
+    "100-groups": {"block_ids": tuple((i,) for i in range(100))},
+    "not-allowed": {"addresses": ("tcp://10.9.8.7:5600",)},
+}
+
+
+@pytest.fixture
+def fresh_consumer():
+    c = Consumer(HybridCache.allocate(GEOMETRY, 16))
+    yield c
+    c.close()
+
+
+@pytest.mark.parametrize("changes", list(HOSTILE_TICKETS.values()), ids=list(HOSTILE_TICKETS))
+def test_a_hostile_ticket_fails_alone_with_a_typed_error_before_any_socket(fresh_consumer, silent_address, changes):
+    """Row 2: an untyped zmq.ZMQError escaped start_read, a ValueError came from the error message's path, and
+    2,000 addresses opened as many sockets."""
+    c = fresh_consumer
+    for call in (lambda t: c.start_read(t, [[1], [2], [3], [4]]), c.decline):
+        with pytest.raises(TicketError) as info:
+            call(_ticket(silent_address, **changes))
+        assert len(str(info.value)) < 800
+        assert c.num_active == 0 and c.num_handshake_sockets == 0 and c.num_links == 0
+    c.start_read(_ticket(silent_address), [[1], [2], [3], [4]])  # the consumer is unharmed: the next ticket goes on
+    assert c.is_active("r") and c.num_handshake_sockets == 1

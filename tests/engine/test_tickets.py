@@ -229,3 +229,54 @@ def test_params_refuse_a_wrongly_typed_field_by_name(field, value):
 def test_params_refuse_what_is_not_an_object(params):
     with pytest.raises(TicketParamsError):
         ticket_from_params(params)
+
+
+# ---- hostile params (issue 19 row 2): only typed errors, values cut short, caps on sizes ----------------------
+HOSTILE = {
+    "huge-version": ("version", 2**100000),
+    "huge-tp": ("tp_size", 2**100000),
+    "huge-tokens": ("num_tokens", 2**100000),
+    "huge-lease": ("lease_s", 2**100000),
+    "garbage-address": ("addresses", ["garbage"]),
+    "2000-addresses": ("addresses", [f"tcp://127.0.0.1:{5000 + i}" for i in range(2000)]),
+    "address-count": ("addresses", ["tcp://10.0.0.1:5600"]),  # the ticket says TP 2
+    "twice-the-address": ("addresses", ["tcp://10.0.0.1:5600"] * 2),
+    "port-0": ("addresses", ["tcp://10.0.0.1:0", "tcp://10.0.0.1:5601"]),
+    "port-99999": ("addresses", ["tcp://10.0.0.1:99999", "tcp://10.0.0.1:5601"]),
+    "bad-ipv6": ("addresses", ["tcp://[::g]:5600", "tcp://10.0.0.1:5601"]),
+    "url": ("addresses", ["tcp://10.0.0.1:5600/x", "tcp://10.0.0.1:5601"]),
+    "10mb-engine-id": ("engine_id", "e" * (10 << 20)),
+    "long-request-id": ("request_id", "r" * 5000),
+    "huge-block-id": ("block_ids", [[3, 2**100000], [7], [8], [9]]),
+    "many-groups": ("block_ids", [[i] for i in range(100)]),
+    "many-block-ids": ("block_ids", [[0] * (1 << 20), [1]]),
+    "long-mac": ("mac", "ab" * 1000),
+    "huge-incarnation": ("incarnation", "9" * 100000),
+}
+
+
+@pytest.mark.parametrize(("field", "value"), list(HOSTILE.values()), ids=list(HOSTILE))
+def test_hostile_params_raise_only_a_typed_error_naming_the_field_with_the_value_cut_short(field, value):
+    """Row 2: ``ticket_from_params`` leaked ValueError / OverflowError and let garbage addresses through."""
+    params = ticket_to_params(_ticket()) | {field: value}
+    with pytest.raises(TicketParamsError) as info:
+        ticket_from_params(params)
+    assert info.value.field == field
+    assert len(str(info.value)) < 600
+
+
+def test_an_unknown_field_of_any_key_type_is_named_cut_short():
+    for key in ("x" * 10000, 2**100000, ("a", 1)):
+        params = ticket_to_params(_ticket()) | {key: 1}
+        with pytest.raises(TicketParamsError) as info:
+            ticket_from_params(params)
+        assert len(str(info.value)) < 400 and len(info.value.field) <= 200
+
+
+def test_params_at_the_caps_still_decode():
+    ticket = issue_ticket(EngineCard.from_ranks({r: _rank(r, 64) for r in range(64)}), "req-caps",
+                          [[3, 4], [7], [8], [9]], 20)
+    assert ticket_from_params(json.loads(json.dumps(ticket_to_params(ticket)))) == ticket
+    for host in ("tcp://[::1]:5600", "tcp://prefill-0.example.com:65535", "tcp://localhost:1"):
+        params = ticket_to_params(_ticket()) | {"addresses": [host, "tcp://10.0.0.1:5601"]}
+        assert ticket_from_params(params).addresses[0] == host
