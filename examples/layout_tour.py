@@ -1,14 +1,21 @@
 """A short tour of the layout registry and HybridCache (CPU only, a few seconds).
 
-    .venv/bin/python examples/layout_tour.py
+Run from the repository root: .venv/bin/python examples/layout_tour.py
+(`bash scripts/setup.sh` creates .venv)
 """
 
 from __future__ import annotations
 
-import torch
+import sys
 
-from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.layout import CacheOptions, ConvSegment, RankGeometry, fingerprint_of, load_preset
+try:
+    import torch
+
+    from hybrid_transfer.cache import HybridCache
+    from hybrid_transfer.layout import CacheOptions, ConvSegment, RankGeometry, fingerprint_of, load_preset
+except ModuleNotFoundError as exc:  # a Python without the project's packages (not .venv's)
+    sys.exit(f"{exc.name} is not installed for {sys.executable}; run: "
+             "bash scripts/setup.sh && .venv/bin/python examples/layout_tour.py")
 
 MIB = 1 << 20
 

@@ -9,15 +9,26 @@ Every rank of a multi-rank producer engine needs three things from whoever launc
 Each rank holds the request with the same block ids. The decode rank (TP 1) reads half of the
 state and of the KV heads from each prefill rank and notifies both.
 
-Run: python examples/multi_rank_producer.py   (three processes on this host, CPU memory, loopback)
+Run from the repository root: .venv/bin/python examples/multi_rank_producer.py
+(three processes on this host, CPU memory, loopback; `bash scripts/setup.sh` creates .venv)
 """
 
+import importlib.util
 import multiprocessing as mp
 import os
+import secrets
+import sys
 import time
 import uuid
 
-from hybrid_transfer import Consumer, HybridCache, Producer, RankGeometry, load_preset, quiet_nixl_logging
+try:
+    from hybrid_transfer import Consumer, HybridCache, Producer, RankGeometry, load_preset, quiet_nixl_logging
+
+    if importlib.util.find_spec("nixl") is None:  # imported by the three processes, not here
+        raise ModuleNotFoundError(name="nixl")
+except ModuleNotFoundError as exc:  # a Python without the project's packages (not .venv's)
+    sys.exit(f"{exc.name} is not installed for {sys.executable}; run: "
+             "bash scripts/setup.sh && .venv/bin/python examples/multi_rank_producer.py")
 
 MODEL = load_preset("qwen3.5-0.8b")  # cache groups: 1 full-attention group, then 3 GDN groups
 PREFILL_TP = 2
@@ -51,6 +62,7 @@ def decode_rank(pipe):
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("HYBRID_TRANSFER_SECRET", secrets.token_hex(32))  # one secret for all three ranks
     ctx = mp.get_context("spawn")
     engine_id, incarnation = f"prefill-{uuid.uuid4().hex[:6]}", int.from_bytes(os.urandom(6), "little")
     pipes, procs = [], []

@@ -1,12 +1,24 @@
 """Quick start: a prefill process holds a request's cache; a decode process reads it over NIXL.
 
-Run: python examples/quickstart.py   (two processes on this host, CPU memory, loopback)
+Run from the repository root: .venv/bin/python examples/quickstart.py
+(two processes on this host, CPU memory, loopback; `bash scripts/setup.sh` creates .venv)
 """
 
+import importlib.util
 import multiprocessing as mp
+import os
+import secrets
+import sys
 import time
 
-from hybrid_transfer import Consumer, HybridCache, Producer, RankGeometry, load_preset
+try:
+    from hybrid_transfer import Consumer, HybridCache, Producer, RankGeometry, load_preset
+
+    if importlib.util.find_spec("nixl") is None:  # imported by the two processes, not here
+        raise ModuleNotFoundError(name="nixl")
+except ModuleNotFoundError as exc:  # a Python without the project's packages (not .venv's)
+    sys.exit(f"{exc.name} is not installed for {sys.executable}; run: "
+             "bash scripts/setup.sh && .venv/bin/python examples/quickstart.py")
 
 MODEL = load_preset("qwen3.5-0.8b")  # cache groups: 1 full-attention group, then 3 GDN groups
 
@@ -30,6 +42,9 @@ def decode(pipe):
 
 
 if __name__ == "__main__":
+    # One secret for both sides authenticates the handshake and the notifications (docs/security.md);
+    # a deployment gives every engine the same one (HYBRID_TRANSFER_SECRET or EngineConfig.secret_file).
+    os.environ.setdefault("HYBRID_TRANSFER_SECRET", secrets.token_hex(32))
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     procs = [ctx.Process(target=prefill, args=(a,)), ctx.Process(target=decode, args=(b,))]

@@ -18,14 +18,16 @@ must equal a single-process run bit for bit. Two negative controls show that the
 a consumer expecting the prompt length N instead of N-1 is refused before any read, and the
 state after N tokens sent under a ticket that claims N-1 changes the logits of the first step.
 
-Run: python examples/tiny_hybrid_parity.py [--short] [--pairs 1:1,2:4,4:2] [--layouts interleaved,split]
-                                           [--mode coalesced|naive|pack|auto]
+Run from the repository root (`bash scripts/setup.sh` creates .venv):
+  .venv/bin/python examples/tiny_hybrid_parity.py [--short] [--pairs 1:1,2:4,4:2] [--layouts interleaved,split]
+                                                  [--mode coalesced|naive|pack|auto]
 Exit status 0 only when every comparison holds and both controls fail the way they must.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import multiprocessing as mp
 import os
@@ -34,9 +36,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-import torch
+try:
+    import torch
 
-from hybrid_transfer.layout import CacheOptions, KVLayout, LayerKind, model_from_config
+    from hybrid_transfer.layout import CacheOptions, KVLayout, LayerKind, model_from_config
+
+    for _module in ("zmq", "nixl"):  # imported by the rank processes
+        if importlib.util.find_spec(_module) is None:
+            raise ModuleNotFoundError(name=_module)
+except ModuleNotFoundError as exc:  # a Python without the project's packages (not .venv's)
+    sys.exit(f"{exc.name} is not installed for {sys.executable}; run: "
+             "bash scripts/setup.sh && .venv/bin/python examples/tiny_hybrid_parity.py")
 
 # The model as config.json fields: 8 layers (layers 3 and 7 full attention, 6 GDN), 2 KV heads
 # (replicated at TP 4), 4 key / 8 value heads, conv kernel 4 (3 stored positions per channel).
