@@ -137,3 +137,45 @@ def test_every_hold_ends_once_and_pins_exactly_what_is_not_released(ops):
     book.fences.finish(step)
     released += book.pop_released()
     assert book.num_releasing == 0 and len(released) == sum(book.terminal_counts.values())
+
+
+def test_a_report_counts_only_from_the_agent_whose_claim_for_its_rank_was_confirmed():
+    """docs/lifecycle.md#who-reports: another agent's DONE, abort or decline of a claimed rank is ignored."""
+    book, _ = _book()
+    hold = book.add("a", 1, ((1, 2), (3,)), 20)
+    hold.claimed[0] = "reader"
+    for done in (True, False):
+        assert book.report(hold, 0, 1, "second", done=done) is Heard.NOT_READER
+    assert hold.state is HoldState.HELD and hold.heard == {} and book.pop_released() == []
+    assert book.report(hold, 0, 1, "reader", done=False) is Heard.ENDED  # the reader's own abort counts
+    assert book.pop_released() == ["a"] and book.terminal_counts == {"freed": 1}
+
+
+def test_before_any_claim_only_a_decline_counts_for_a_rank():
+    book, _ = _book()
+    hold = book.add("a", 1, ((1, 2), (3,)), 20)
+    assert book.report(hold, 0, 2, "anyone", done=True) is Heard.NOT_READER  # DONE needs a confirmed claim
+    assert book.report(hold, 0, 2, "anyone", done=False) is Heard.COUNTED
+    assert book.report(hold, 0, 2, "other", done=False) is Heard.DUPLICATE
+    hold.claimed[1] = "reader"
+    assert book.report(hold, 1, 2, "other", done=False) is Heard.NOT_READER
+    assert book.report(hold, 1, 2, "reader", done=True) is Heard.ENDED and hold.state is HoldState.FREED
+
+
+def test_held_blocks_are_capped_and_a_refused_hold_pins_nothing():
+    from hybrid_transfer.errors import HoldCapacityError
+
+    clock = Clock()
+    book = HoldBook(clock, 10.0, max_pinned_blocks=5)
+    a = book.add("a", 1, ((1, 2), (3,)), 20)
+    with pytest.raises(HoldCapacityError) as info:
+        book.add("b", 2, ((4, 5), (6,)), 20)
+    assert (info.value.held, info.value.asked, info.value.cap) == (3, 3, 5) and "max_held_blocks=5" in str(info.value)
+    assert book.get("b") is None and book.num_pinned_blocks == 3 and book.num_held_requests == 1
+    book.add("c", 3, ((1, 2), (4,)), 20)  # shares two of a's blocks: one more pinned
+    book.add("d", 4, ((5,), (3,)), 20)
+    assert book.num_pinned_blocks == 5
+    book.report(a, 0, 1, "c0", done=False)
+    assert book.pop_released() == ["a"] and book.num_pinned_blocks == 5  # 1, 2 and 3 are still c's and d's
+    with pytest.raises(HoldCapacityError):
+        book.add("e", 5, ((6,), (7,)), 1)

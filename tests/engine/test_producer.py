@@ -72,6 +72,26 @@ def test_a_request_is_held_once(producer):
         producer.hold("once", [[24], [25], [26], [27]], 3)
 
 
+def test_held_blocks_are_capped_and_a_hold_beyond_the_cap_pins_nothing():
+    """A client's do_remote_decode pins blocks with nobody reading: max_held_blocks bounds that (docs/limits.md)."""
+    from hybrid_transfer.engine import EngineConfig
+    from hybrid_transfer.errors import HoldCapacityError
+
+    cache = HybridCache.allocate(RankGeometry(MODEL, 1, 0), 16)
+    with Producer(cache, EngineConfig(max_held_blocks=8)) as capped:
+        capped.hold("a", [[1, 2], [3], [4], [5]], 20)
+        with pytest.raises(HoldCapacityError) as info:
+            capped.hold("b", [[6, 7], [8], [9], [10]], 20)
+        assert (info.value.held, info.value.asked, info.value.cap, info.value.request_id) == (5, 5, 8, "b")
+        assert not capped.is_held("b") and capped.num_held_blocks == 5 and capped.metrics().held_cap == 8
+        capped.hold("c", [[1], [6], [7], [8]], 5)  # block 1 is a's already: 3 more, 8 in all
+        assert capped.num_held_blocks == 8
+        assert capped.abort("a") and capped.poll() == ["a"]  # a's blocks back: room again
+        capped.hold("b", [[9], [10], [11], [12]], 4)  # 4 more beside c's 4
+    with Producer(cache) as default:
+        assert default.held_blocks_cap == int(16 * 0.9) == default.metrics().held_cap
+
+
 def test_multi_rank_engines_need_addresses_and_rank_zeros_nonce():
     rank1 = Producer(HybridCache.allocate(RankGeometry(MODEL, 2, 1), 8), engine_id="e", incarnation=1)
     try:
