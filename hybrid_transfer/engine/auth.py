@@ -23,6 +23,7 @@ replayed notification fails ``Link.open``.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import hashlib
 import hmac
@@ -49,6 +50,19 @@ TO_PRODUCER = b"c>p"  # direction labels: a message can never be reflected back 
 TO_CONSUMER = b"p>c"
 
 
+class Secret(bytes):
+    """Key bytes that never print: ``repr()`` and ``str()`` give only the length, so no repr of an object
+    (or of a dict or record) holding a secret, a link key or a process key shows it (docs/security.md).
+    Everything else behaves as ``bytes``; an explicit ``.hex()`` still shows the value."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return f"<secret: {len(self)} bytes>"
+
+    __str__ = __repr__
+
+
 def load_secret(secret_file: str | None) -> bytes | None:
     """The engine secret: ``secret_file``'s content, else the environment variable, else None.
 
@@ -73,7 +87,7 @@ def load_secret(secret_file: str | None) -> bytes | None:
     if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
         raise ConfigError(f"the secret in {where} must be {MIN_SECRET_BYTES} to {MAX_SECRET_BYTES} bytes, "
                           f"it has {len(secret)}", field="secret_file", value=secret_file)
-    return secret
+    return Secret(secret)
 
 
 _warned_open = False
@@ -84,9 +98,11 @@ def warn_if_open(secret: bytes | None, who: str) -> None:
     global _warned_open
     if secret is None and not _warned_open:
         _warned_open = True
-        log.warning("%s: no shared secret (set $%s or EngineConfig.secret_file): handshakes are not authenticated, "
-                    "and anyone who reaches the side-channel port can read and write registered memory; run only "
-                    "on an isolated network (docs/security.md)", who, SECRET_ENV)
+        log.warning("%s: no shared secret: handshakes are not authenticated, and anyone who reaches the "
+                    "side-channel port can read and write registered memory. To fix, give every engine the same "
+                    "secret before it starts: export %s=$(openssl rand -hex 32) (or EngineConfig.secret_file); "
+                    "only on an isolated network may it run without (docs/security.md). Said once per process.",
+                    who, SECRET_ENV)
 
 
 def new_nonce() -> bytes:
@@ -108,12 +124,12 @@ def proof(secret: bytes, role: str, cn: bytes, sn: bytes, producer_agent: str, c
 
 
 def link_key(secret: bytes, cn: bytes, sn: bytes, producer_agent: str, consumer_agent: str) -> bytes:
-    return _mac(secret, b"link", cn, sn, producer_agent, consumer_agent)
+    return Secret(_mac(secret, b"link", cn, sn, producer_agent, consumer_agent))
 
 
 def curve_seed(secret: bytes) -> bytes:
     """32 bytes for the side channel's CURVE server key pair (side_channel.Curve), derived from the secret."""
-    return _mac(secret, b"curve server key")
+    return Secret(_mac(secret, b"curve server key"))
 
 
 def side_channel_curve(enabled: bool, secret: bytes | None):
@@ -133,7 +149,8 @@ def side_channel_curve(enabled: bool, secret: bytes | None):
     if not Curve.available():
         raise ConfigError("EngineConfig.side_channel_curve=True, but this ZeroMQ was built without CURVE",
                           field="side_channel_curve", value=True)
-    return Curve.from_seed(curve_seed(secret))
+    curve = Curve.from_seed(curve_seed(secret))
+    return dataclasses.replace(curve, server_secret=Secret(curve.server_secret))  # z85 text of a key: never printed
 
 
 def same(a: bytes, b: bytes) -> bool:
@@ -167,7 +184,7 @@ class Challenges:
         self._clock = clock
         self._deadline_ms = int(deadline_s * 1000)
         self._capacity = capacity
-        self._key = secrets.token_bytes(32)  # the process key (never in a repr: object's default repr)
+        self._key = Secret(secrets.token_bytes(32))  # the process key
         self._lock = threading.Lock()
         self._accepted: OrderedDict[bytes, int] = OrderedDict()  # server nonce -> its expiry (ms), oldest first
         self.num_full = 0  # proofs refused because the record was full

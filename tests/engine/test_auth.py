@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import Consumer, EngineConfig, Producer, auth, handshake, wire
 from hybrid_transfer.engine.handshake import ListenerAuth, ListenerStats, ProducerCard
+from hybrid_transfer.engine.peer_record import PeerRecord
 from hybrid_transfer.errors import ConfigError, HandshakeError, WireDecodeError
 from hybrid_transfer.layout import CacheOptions, RankGeometry, fingerprint_of, model_from_config
 from hybrid_transfer.plan.rank import describe_rank
@@ -454,3 +455,74 @@ def test_pack_mode_staging_queries_travel_under_curve(cluster, secret_file):
         assert [(r.num_packed_sources, r.num_fallback_sources) for r in per_rank] == [
             (1 if n else 0, 0) for n in tokens]
     assert all(s["stats"]["fallback_absent"] == 0 for s in c_status), c_status
+
+
+# ---- no repr() reachable from a live authenticated pair shows a key (issue 19, row 7) ------------------------
+
+
+def _reachable(*roots, limit: int = 400_000) -> list:
+    """Every object reachable from ``roots`` through instances and containers (not through classes, modules,
+    functions or code, which lead to the whole process), tensors and arrays left out."""
+    import gc
+    import types
+
+    import numpy as np
+    import torch
+
+    leaves = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+              types.CodeType, types.FrameType, types.GeneratorType, torch.Tensor, np.ndarray, logging.Logger)
+    seen, stack, out = set(), list(roots), []
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, leaves):
+            continue
+        seen.add(id(obj))
+        out.append(obj)
+        assert len(out) < limit, "the walk left the engines' objects"
+        if not isinstance(obj, (bytes, bytearray, str, memoryview)):
+            stack.extend(gc.get_referents(obj))
+    return out
+
+
+def _keys_of(producer: Producer, consumer: Consumer) -> list[bytes]:
+    process_key = getattr(producer.listener_auth.challenges, "_key", None)  # the server nonces' key (auth.Challenges)
+    keys = [SECRET, auth.curve_seed(SECRET)] + ([process_key] if process_key else [])
+    keys += [r.link.key for r in producer._peers.values() if r.link is not None]
+    keys += [o.link.key for o in _reachable(consumer) if isinstance(o, PeerRecord) and o.link is not None]
+    return keys
+
+
+def test_no_repr_reachable_from_an_authenticated_pair_shows_a_key(secret_file):
+    config = EngineConfig(secret_file=secret_file, side_channel_curve=True)
+    with Producer(HybridCache.allocate(GEOMETRY, 16), config) as producer, Consumer(
+            HybridCache.allocate(GEOMETRY, 16), config) as consumer:
+        consumer.connect(producer.address, timeout_s=WAIT_S)
+        ticket = producer.hold("r", [[1], [2], [3], [4]], 4)
+        consumer.start_read(ticket, [[5], [6], [7], [8]])
+        deadline, results = time.monotonic() + WAIT_S, []
+        while not results and time.monotonic() < deadline:
+            results = consumer.poll()
+            producer.poll()
+        assert [r.state.value for r in results] == ["done"]
+        producer.hold("kept", [[9], [10], [11], [12]], 4)  # a live hold and ticket too
+        keys = _keys_of(producer, consumer)
+        assert len(keys) >= 4  # the secret, the CURVE seed, both ends of the link (and the process key)
+        from zmq.utils import z85
+
+        needles = {k for key in keys for k in (repr(bytes(key))[2:-1], key.hex())}
+        needles |= {z85.encode(key).decode() for key in keys if len(key) % 4 == 0}  # CURVE keys travel as z85
+        objects = _reachable(producer, consumer)
+        links = [o for o in objects if isinstance(o, auth.Link)]
+        assert len(links) >= 2 and len(objects) > 200  # the walk reached the links inside the records
+        shown = 0
+        for obj in objects:
+            if isinstance(obj, (bytes, bytearray, memoryview)):
+                continue  # the key's own bytes (nothing prints them but a repr of a holder)
+            try:
+                text = obj if isinstance(obj, str) else repr(obj)
+            except Exception:  # noqa: BLE001 - a binding's object that cannot print holds nothing of ours
+                continue
+            shown += 1
+            leaked = [n for n in needles if n in text]
+            assert not leaked, f"repr of a {type(obj).__name__} shows a key"
+        assert shown > 200
