@@ -1,8 +1,8 @@
 """A hold answers to its reader (issue 19, row 3; docs/lifecycle.md#who-reports).
 
 Two decode engines hold the same ticket: A reads it, B aborts or declines at every stage. Real NIXL
-agents in separate processes (loopback DRAM), no secret: B's reports reach the producer under B's own
-handshaken agent. On CPU a READ's bytes may land at post time, so the bytes alone prove little; the test
+agents in separate processes (loopback DRAM), without a secret and with one (B then holds the secret
+and seals its reports under its own link): B's reports reach the producer under B's own handshaken agent. On CPU a READ's bytes may land at post time, so the bytes alone prove little; the test
 checks the protocol: while A's confirmed claim is unreported the hold stays HELD and its blocks stay
 pinned, whatever B sends, and A then ends DONE with the right bytes. B is made to send every kind of
 report: ``Consumer.decline``, a read aborted before its claim is answered, and raw DONE, FAILED and
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import time
 
+import msgspec
 import pytest
 from api_ops import decline
+from auth_ops import sealed_notify
 from harness import TINY, RankSpec, hold_everywhere, raw_notify, start_consumers, start_producers
 from lifecycle_ops import resume, status, wait_results
 
@@ -58,11 +60,13 @@ def _until(what: str, check):
 
 
 class _Setup:
-    def __init__(self, cluster):
+    def __init__(self, cluster, secret_file: str | None):
         self.p_worker, self.a_worker, self.b_worker = cluster.workers[0:3]
-        self.producers = start_producers([self.p_worker], [RankSpec(TINY, 1, 0, 16)], CONFIG)
-        self.a = start_consumers([self.a_worker], [RankSpec(TINY, 1, 0, 16)], CONFIG)
-        self.b = start_consumers([self.b_worker], [RankSpec(TINY, 1, 0, 16)], CONFIG)
+        self.secret = secret_file is not None
+        config = msgspec.structs.replace(CONFIG, secret_file=secret_file)
+        self.producers = start_producers([self.p_worker], [RankSpec(TINY, 1, 0, 16)], config)
+        self.a = start_consumers([self.a_worker], [RankSpec(TINY, 1, 0, 16)], config)
+        self.b = start_consumers([self.b_worker], [RankSpec(TINY, 1, 0, 16)], config)
         self.pk, self.ak, self.bk = self.producers.keys[0], self.a.keys[0], self.b.keys[0]
         self.digest = self.p_worker.call("producer_status", self.pk)["digest"]
         self.p_name = self.p_worker.call("call", agent_name, self.pk)
@@ -85,7 +89,10 @@ class _Setup:
         """B's agent reports A's consumer rank (0) on the ticket, as any handshaken agent can send."""
         message = wire.encode(wire.Completion(request_id=ticket.request_id, nonce=ticket.nonce, consumer_rank=0,
                                               expected_consumers=1, kind=kind), self.digest)
-        self.b_worker.call("call", raw_notify, self.bk, self.p_name, message)
+        if self.secret:
+            assert self.b_worker.call("call", sealed_notify, self.bk, self.p_name, message)
+        else:
+            self.b_worker.call("call", raw_notify, self.bk, self.p_name, message)
 
     def wait_stat(self, name: str, value: int) -> dict:
         return _until(f"{name} == {value}", lambda: (s := self.p_status())["stats"][name] == value and s)
@@ -98,9 +105,14 @@ class _Setup:
         self.b.close()
 
 
-@pytest.fixture
-def setup(cluster):
-    s = _Setup(cluster)
+@pytest.fixture(params=["open", "secret"])
+def setup(cluster, request, tmp_path):
+    secret_file = None
+    if request.param == "secret":
+        path = tmp_path / "secret"
+        path.write_bytes(b"second-reader test secret, 32 bytes or more\n")
+        secret_file = str(path)
+    s = _Setup(cluster, secret_file)
     yield s
     s.close()
 
