@@ -1,0 +1,171 @@
+"""Steps of an engine whose GPU work lands late: EngineCore's batch queue, modelled on CPU.
+
+On a GPU a step's writes (vLLM's zeroing of newly allocated blocks, the forward's KV and GDN
+state writes) land on the compute stream at some moment before the engine processes that step's
+output, while a NIXL READ lands whenever the network delivers it. This driver keeps each step's
+writes pending on the rank (``hosted_step``) and applies them only when the step lands
+(``land``), the latest moment the stream allows, so any READ that completes in between lands
+first: the order that vLLM #48481 (zeroing after the READ) and #45357 (a finished request's
+in-flight step writing blocks already freed and re-filled by a load) are about.
+
+``launch`` schedules one step and runs it on every rank (worker hooks, the prefill fill), but the
+scheduler does not see its output until ``land``. ``step_eagerly`` lands each step at once;
+``BatchQueue.step`` schedules step N+1 before landing step N, as ``EngineCore.step_with_batch_queue``
+does with two batches in flight under async scheduling.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from driver import Engine, StepResult
+from vllm.v1.outputs import KVConnectorOutput
+
+WRITE_BYTE = 0xEE  # what a late forward write leaves in a page (neither poison nor any pattern's whole page)
+
+
+def configure_async(cfg, *, ssm_dtype: str | None = "bfloat16") -> None:
+    """Async scheduling (and the SSM cache dtype) on a built config, before the cache config and scheduler.
+
+    The CPU platform turns async scheduling off and, on AVX-512-BF16 hosts, resets the SSM
+    cache dtype to float32 in the config's post-init (vllm/platforms/cpu.py), so both are set after it.
+    """
+    cfg.scheduler_config.async_scheduling = True
+    if ssm_dtype is not None:
+        cfg.cache_config.mamba_ssm_cache_dtype = ssm_dtype
+
+
+@dataclass
+class Launched:
+    """One scheduled step: the ranks ran it; its writes and its output are still in flight."""
+
+    out: object
+    runner_outputs: list
+    step_id: int
+
+
+@dataclass
+class BatchQueue:
+    """Two steps in flight, as EngineCore runs an engine with ``max_concurrent_batches == 2``."""
+
+    engine: Engine
+    size: int = 2
+    queue: deque = field(default_factory=deque)
+
+    def step(self) -> StepResult | None:
+        """Schedule a step if the queue has room; land the oldest once the queue is full (or nothing else runs)."""
+        s = self.engine.scheduler
+        if s.has_requests() or not self.queue:
+            launched = launch(self.engine)
+            self.queue.append(launched)
+            if len(self.queue) < self.size and (launched.out.total_num_scheduled_tokens > 0 or s.has_requests()):
+                return StepResult()
+        return land(self.engine, self.queue.popleft())
+
+    def flush(self) -> list[StepResult]:
+        return [land(self.engine, self.queue.popleft()) for _ in range(len(self.queue))]
+
+
+def step_eagerly(engine: Engine) -> StepResult:
+    return land(engine, launch(engine))
+
+
+def launch(engine: Engine) -> Launched:
+    out = engine.scheduler.schedule()
+    fills = engine._fills(out) if engine.is_prefill else []
+    writes = [] if engine.is_prefill else _forward_writes(engine, out)
+    step_id = engine.num_steps
+    engine.num_steps += 1
+    for host, key in zip(engine.hosts, engine.keys, strict=True):
+        host.send("call", key, hosted_step, out, fills, step_id, writes)
+    kv_outputs: list[KVConnectorOutput] = [host.recv() for host in engine.hosts]
+    # What the "model" samples is fixed when the step runs, not when it lands.
+    return Launched(out, [engine._runner_output(out, kv) for kv in kv_outputs], step_id)
+
+
+def land(engine: Engine, launched: Launched) -> StepResult:
+    """The step's writes land on every rank, then the scheduler processes its output."""
+    for rank in range(len(engine.hosts)):
+        engine.call("call", apply_pending, launched.step_id, rank=rank)
+    merged = engine.aggregator.aggregate(launched.runner_outputs)
+    engine_outputs = engine.scheduler.update_from_output(launched.out, merged)
+    result = StepResult(scheduled=dict(launched.out.num_scheduled_tokens))
+    kv = merged.kv_connector_output
+    if kv is not None:
+        result.finished_sending = set(kv.finished_sending or ())
+        result.finished_recving = set(kv.finished_recving or ())
+        result.failed_recving = set(kv.failed_recving or ())
+    for outputs in engine_outputs.values():
+        for o in outputs.outputs:
+            if o.finish_reason is not None:
+                result.finished[o.request_id] = o
+    return result
+
+
+def _forward_writes(engine: Engine, out) -> list[int]:
+    """Blocks a decode step's forward writes: each scheduled request's GDN state blocks and the attention
+    blocks of its new tokens (our block ids; a page is written whole)."""
+    blocks: list[int] = []
+    for rid, n in out.num_scheduled_tokens.items():
+        request = engine.scheduler.requests[rid]
+        end = request.num_computed_tokens
+        start = end - n
+        ours = engine.group_map.to_ours(engine.kv_cache_config.select_transfer_block_ids(
+            engine.scheduler.kv_cache_manager.get_block_ids(rid)))
+        for is_attention, ids in zip(engine.group_map.attention_mask, ours, strict=True):
+            if is_attention:
+                blocks.extend(ids[start // engine.block_size: -(-end // engine.block_size)])
+            else:
+                blocks.extend(ids[-1:])
+    return blocks
+
+
+# ---- run inside the rank host (rank_host.op_call) --------------------------------------
+
+def _pending(state) -> dict:
+    return state.__dict__.setdefault("pending_writes", {})
+
+
+def hosted_step(state, key: str, out, fills, step_id: int, writes: list[int]):
+    """rank_host.op_step, with vLLM's zeroing of new blocks and the forward's writes kept for ``apply_pending``."""
+    from rank_host import op_step
+
+    zero = list(out.new_block_ids_to_zero or ())
+    _pending(state)[(key, step_id)] = (zero, writes)
+    return op_step(state, key, out, fills)
+
+
+def apply_pending(state, key: str, step_id: int) -> None:
+    """The step lands: its zeroing first (it precedes the forward on the stream), then its forward's writes."""
+    from rank_host import _cache
+
+    zero, writes = _pending(state).pop((key, step_id), ((), ()))
+    cache = _cache(state, key)
+    for value, blocks in ((0, zero), (WRITE_BYTE, writes)):
+        for index in range(cache.geometry.num_tensors):
+            raw = cache.raw(index)
+            for b in blocks:
+                raw[b].fill_(value)
+
+
+def bad_bytes(state, key: str, layout, seed: int) -> int:
+    """Bytes of the request's blocks that differ from a correct load (pattern, zeroed attention tail, poison padding)."""
+    from cache_oracle import _zero_tail
+    from rank_host import _cache
+
+    from hybrid_transfer.cache import HybridCache
+    from hybrid_transfer.verify import expected_destination_many
+
+    cache = _cache(state, key)
+    expected = HybridCache.wrap(cache.geometry, expected_destination_many(cache, [(layout, seed)]))
+    _zero_tail(expected, layout)
+    blocks = sorted({b for ids in layout.block_ids for b in ids})
+    return sum(int((cache.raw(i)[blocks] != expected.raw(i)[blocks]).sum()) for i in range(cache.geometry.num_tensors))
+
+
+def state_dtype(state, key: str) -> str:
+    """The SSM state dtype of the rank's geometry (what the connector derived from vLLM's live spec)."""
+    from rank_host import _cache
+
+    return _cache(state, key).geometry.ssm_dtype.value
