@@ -12,18 +12,31 @@ import importlib
 import os
 from types import ModuleType
 
+NIXL_LOG_ENV = "NIXL_LOG_LEVEL"
+
+
+def quiet_by_default() -> None:
+    """Keep NIXL's logger at WARN unless ``$NIXL_LOG_LEVEL`` asks otherwise; call before NIXL's first import.
+
+    NIXL reads the variable once, when its logging is set up on import; without it, it logs a line per agent
+    and per backend at INFO on stdout. ``hybrid-transfer --log-level debug`` (or info) sets it to that level.
+    """
+    os.environ.setdefault(NIXL_LOG_ENV, "WARN")
+
 
 def import_api(meta_module: str = "nixl") -> ModuleType:
     """NIXL's meta package, then its ``_api`` (the build the meta package picked).
 
     Raises whatever the import raises (ImportError, or an error of the meta package's CUDA probe).
     """
+    quiet_by_default()
     importlib.import_module(meta_module)
     return importlib.import_module(f"{meta_module}._api")
 
 
 def first_loadable_api(builds: list[str]) -> str | None:
     """The ``_api`` module name of the first installed build (``nixl-cu13`` -> ``nixl_cu13._api``) that imports."""
+    quiet_by_default()
     for build in builds:
         name = build.replace("-", "_") + "._api"
         try:
