@@ -11,16 +11,21 @@ Every group's bytes are checked on both decode engines after the loads.
 from __future__ import annotations
 
 import itertools
+import os
 import socket
 
+import pytest
 from driver import Engine, run_until, seed_of, through_json
+from vllm_engine import make_kv_cache_config, make_scheduler, make_vllm_config
 
 from hybrid_transfer.engine.ticket_params import ticket_from_params
+from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.integrations.vllm import params as kvp
 
 DP = 2
 P_TP = 2  # prefill: TP 2 per DP engine, so the offset's tp_size factor matters (ports base .. base + 3)
 N = {(0, 0): 100, (0, 1): 97, (1, 0): 40, (1, 1): 130}  # (prefill dp, decode dp) -> prompt tokens
+HOST_VAR = "HT_TEST_DP_ADVERTISE_HOST"  # what a deployment sets per host (docs/dep.md)
 
 
 def free_port_block(count: int) -> int:
@@ -50,9 +55,21 @@ def _port(address: str) -> int:
     return int(address.rsplit(":", 1)[1])
 
 
-def test_two_prefill_dp_engines_to_two_decode_dp_engines_from_one_extra_config(model_dir, hosts):
+def _set_env(state, key, name: str, value: str | None) -> None:
+    """Run in a host process: that host's environment, as a launcher sets it before vLLM starts."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def test_two_prefill_dp_engines_to_two_decode_dp_engines_from_one_extra_config(model_dir, hosts, monkeypatch):
     base = free_port_block(DP * P_TP)
-    extra = {"side_channel_host": "127.0.0.1", "side_channel_port": base}  # one dict for every engine core
+    # One dict for every engine core: every interface, advertised from the host's environment.
+    extra = {"side_channel_host": "0.0.0.0", "advertise_host": f"env:{HOST_VAR}", "side_channel_port": base}
+    monkeypatch.setenv(HOST_VAR, "127.0.0.1")  # the engine cores' scheduler side (this process)
+    for host in (hosts["prefill"], hosts["decode"]):
+        host.call("call", "-", _set_env, HOST_VAR, "127.0.0.1")  # the workers
     engines: list[Engine] = []
     try:
         prefills = []
@@ -72,7 +89,7 @@ def test_two_prefill_dp_engines_to_two_decode_dp_engines_from_one_extra_config(m
             assert (parallel.data_parallel_index, parallel.data_parallel_rank) == (dp, 0)  # vLLM reset the rank
             assert p.vllm_config.kv_transfer_config.engine_id == f"prefill-ep_dp{dp}"  # vLLM's suffix
             card = p.connector._scheduler.card
-            assert [_port(a) for a in card.addresses] == [base + dp * P_TP + r for r in range(P_TP)]
+            assert card.addresses == tuple(f"tcp://127.0.0.1:{base + dp * P_TP + r}" for r in range(P_TP))
 
         # Every pair: prefill on P_i, the params through JSON (the proxy), decode on D_j.
         for (i, j), n in N.items():
@@ -98,3 +115,15 @@ def test_two_prefill_dp_engines_to_two_decode_dp_engines_from_one_extra_config(m
     finally:
         for engine in engines:
             engine.shutdown()
+        for host in (hosts["prefill"], hosts["decode"]):
+            host.call("call", "-", _set_env, HOST_VAR, None)
+
+
+def test_a_dp_engine_whose_rank_port_leaves_the_range_stops_at_start(model_dir):
+    """The scheduler checks the engine's highest rank port when vLLM builds it, before any worker binds."""
+    cfg = make_vllm_config(model_dir, tp_size=2, block_size=16, kv_role="kv_producer",
+                           extra={"side_channel_port": 65533}, dp_size=DP, dp_rank=1)
+    with pytest.raises(ConfigError) as info:
+        make_scheduler(cfg, make_kv_cache_config(cfg, 16))
+    assert info.value.field == "side_channel_port" and "data_parallel_index 1" in str(info.value)
+    assert "65536" in str(info.value)  # 65533 + 1 x 2 + 1
