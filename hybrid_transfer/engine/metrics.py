@@ -101,6 +101,9 @@ class ConsumerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     links: int = 0  # producer engines linked now (live, handshaking or failed and backing off)
     link_failures: int = 0  # handshakes with an engine that failed (each starts a backoff; docs/security.md#links)
     links_evicted: int = 0  # failed links dropped, least recently used first, to make room (max_links)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full (engine/inbox.py)
+    notifications_fetched: int = 0  # handed over by NIXL's notification fetch
+    notification_fetch: LatencySummary = msgspec.field(default_factory=LatencySummary)  # time inside NIXL's fetch
 
 
 class ProducerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -121,6 +124,14 @@ class ProducerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     unknown_agent: int
     reports_ignored: int = 0  # reports not from the rank's confirmed reader (docs/lifecycle.md#who-reports)
     held_cap: int = 0  # max_held_blocks in effect: hold() refuses beyond it (docs/limits.md#held-blocks)
+    notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full (engine/inbox.py)
+    notifications_fetched: int = 0  # handed over by NIXL's notification fetch
+    notification_fetch: LatencySummary = msgspec.field(default_factory=LatencySummary)  # time inside NIXL's fetch
+    handshake_evictions: int = 0  # accepted consumer agents forgotten before their Hello: the pending table was full
+    handshakes_expired: int = 0  # ... because no Hello came within pending_handshake_s
+    handshake_refusals: dict[str, int] = msgspec.field(default_factory=dict)  # refusals by wire.REFUSAL_CAUSES word
+    oversized_messages: int = 0  # side-channel messages over the total cap across frames: dropped unread
+    early_evicted: int = 0  # completions kept for a hold that had not happened, pushed out by the bound
 
 
 class ConsumerRecorder:
@@ -149,7 +160,8 @@ def consumer_metrics(consumer) -> ConsumerMetrics:
         post_to_done=r.latency.snapshot(), quarantined_blocks=consumer.num_quarantined_blocks,
         rejected_messages=dict(consumer.rejections.counts), unexpected_notifications=s.unexpected_notifications,
         claims_refused=s.claims_refused, revokes=s.revokes, links=consumer.num_links,
-        link_failures=consumer.link_stats.failures, links_evicted=consumer.link_stats.evicted)
+        link_failures=consumer.link_stats.failures, links_evicted=consumer.link_stats.evicted,
+        notifications_dropped=s.notifications_dropped, **_fetch(consumer.agent))
 
 
 def producer_metrics(producer) -> ProducerMetrics:
@@ -162,4 +174,19 @@ def producer_metrics(producer) -> ProducerMetrics:
         completions_aborted=s.completions_aborted, claims_confirmed=s.claims_confirmed,
         claims_refused=s.claims_refused, rejected_peers=listener.rejected,
         rejected_messages=dict(producer.rejections.counts), malformed=s.malformed, unknown_agent=s.unknown_agent,
-        reports_ignored=s.not_reader, held_cap=producer.held_blocks_cap)
+        reports_ignored=s.not_reader, held_cap=producer.held_blocks_cap, **_producer_bounds(producer))
+
+
+def _fetch(agent) -> dict:
+    """NIXL's notification fetch, apart from the engine's own work (engine/agent.py ``get_notifs``)."""
+    return dict(notifications_fetched=agent.num_fetched, notification_fetch=agent.fetch_time.snapshot())
+
+
+def _producer_bounds(producer) -> dict:
+    """What the producer's bounds dropped or refused (docs/limits.md), read from the tables that count it."""
+    server = producer._server
+    return dict(
+        notifications_dropped=producer._inbox.num_dropped, handshake_evictions=producer._pending.num_evicted,
+        handshakes_expired=producer._pending.num_expired, handshake_refusals=dict(producer.listener_stats.causes),
+        oversized_messages=server.num_oversized if server is not None else 0,
+        early_evicted=producer._early.stats.evicted, **_fetch(producer.agent))

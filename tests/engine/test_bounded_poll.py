@@ -124,6 +124,34 @@ def test_a_producer_poll_handles_a_budget_and_carries_the_rest_over(caplog):
             assert len(summaries) == 2 and any("999 more" in s for s in summaries)
 
 
+def test_metrics_report_dropped_notifications_and_handshake_evictions_and_refusals():
+    """Issue 19, row 7: what the bounds dropped is in metrics(), with lowered caps (backlog, pending table)."""
+    from hybrid_transfer.engine import handshake
+    from hybrid_transfer.layout import CacheOptions, fingerprint_of
+    from hybrid_transfer.plan.rank import describe_rank
+
+    clock = Clock()
+    config = EngineConfig(notifications_per_poll=10, notification_backlog_bytes=wire.MAX_MESSAGE_BYTES,
+                          max_pending_handshakes=4)
+    with Producer(HybridCache.allocate(GEOMETRY, 8), config, clock=clock) as producer:
+        chunk = 1 << 20
+        _flood_once(producer.agent, {"x" * 8: [b"\0" * (chunk - 8)] * 20})  # 20 MiB against a 16 MiB backlog
+        producer.poll()
+        rank = describe_rank(GEOMETRY, [1 << 28, 1 << 30], 16)
+        for i in range(10):  # ten accepted handshakes, no Hello: six pushed out of a table of four
+            producer._respond(handshake.make_request(fingerprint_of(GEOMETRY), rank, f"d-c0-{i}", "d"))
+        other = RankGeometry(MODEL, 1, 0, CacheOptions(kv_dtype="float32"))
+        producer._respond(handshake.make_request(fingerprint_of(other), describe_rank(other, [1 << 28, 1 << 30], 16),
+                                                 "odd-c0-x", "odd"))
+        m = producer.metrics()
+        assert m.notifications_dropped == 20 - wire.MAX_MESSAGE_BYTES // chunk == producer.stats.notifications_dropped
+        assert m.handshake_evictions == 6 and producer.num_pending_handshakes == 4
+        assert m.handshake_refusals == {"incompatible": 1} and m.rejected_peers == 1
+        clock.now += config.pending_handshake_s
+        producer.poll()
+        assert producer.metrics().handshakes_expired == 4
+
+
 def test_a_stranger_flood_over_nixl_is_counted_with_a_few_warning_lines(cluster, caplog):
     """2,000 heartbeats from a stranger (the issue's row 5), sent through a real agent in another process."""
     clock = Clock()
@@ -144,6 +172,11 @@ def test_a_stranger_flood_over_nixl_is_counted_with_a_few_warning_lines(cluster,
             assert producer.stats.unknown_agent == 2000
             lines = [r for r in caplog.records if r.name == "hybrid_transfer.engine.producer"]
             assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+        # NIXL's own fetch is reported apart (issue 19, row 7): every notification it handed over, and its time
+        # per call, one call per poll.
+        m = producer.metrics()
+        assert m.notifications_fetched == 2000 and m.notification_fetch.count == producer.agent.fetch_time.count
+        assert m.notification_fetch.count >= 2000 // 64 and m.notification_fetch.sum_s > 0
 
 
 # ---- the consumer: a Revoke may wait in the backlog, so nothing is reported DONE until it is drained ---------
