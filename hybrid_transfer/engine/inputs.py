@@ -76,8 +76,11 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
                             side=side, group=group, block_ids=ids)
         for b in ids:
             if type(b) is not int and not is_integer(b):  # the exact-type test keeps long lists cheap
-                raise PlanError(f"{side} group {group}: block ids must be integers (not bools), got {b!r} in "
-                                f"{list(ids)[:16]!r}", side=side, group=group, block_ids=ids)
+                raise PlanError(f"{side} group {group}: block ids must be integers (not bools), got {shown(b)} in "
+                                f"{shown(list(ids)[:16])}", side=side, group=group, block_ids=ids)
+            if int(b).bit_length() > 63:  # numpy cannot hold it, and Python cannot print it past 4,300 digits
+                raise PlanError(f"{side} group {group}: block id {shown(int(b))} is out of range", side=side,
+                                group=group, block_ids=ids)
 
 
 # ---- tickets (issue 19): what a client's request may make a consumer do is bounded here -----------------
