@@ -158,7 +158,7 @@ def same(a: bytes, b: bytes) -> bool:
 
 
 class Verdict(enum.Enum):
-    """What ``Challenges.take`` made of a proven request's server nonce (docs/security.md#handshake)."""
+    """What ``Challenges.take`` made of a proven request's server nonce (docs/security.md#authentication)."""
 
     FRESH = "fresh"  # issued by this rank within the deadline, never accepted before: go on
     STALE = "stale"  # issued by this rank, but longer ago than the deadline (or in its future)
