@@ -68,7 +68,7 @@ import msgspec
 
 from hybrid_transfer.engine.addresses import DEFAULT_ALLOWED_PRODUCERS, AllowedProducers
 from hybrid_transfer.engine.wire import MAX_MESSAGE_BYTES
-from hybrid_transfer.errors import ConfigError
+from hybrid_transfer.errors import ConfigError, echo
 from hybrid_transfer.plan.types import PlanMode
 
 
@@ -457,4 +457,4 @@ def _is_int(value: object) -> bool:
 
 
 def _bad(field: str, value: object, why: str) -> None:
-    raise ConfigError(f"EngineConfig.{field}={value!r} {why}", field=field, value=value)
+    raise ConfigError(f"EngineConfig.{field}={echo(value)} {why}", field=field, value=value)
