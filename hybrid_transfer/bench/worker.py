@@ -101,7 +101,9 @@ def setup_rank(rank: _Rank, cmd: m.Setup) -> m.Reply:
     rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
     if not setup.is_prefill:
         return m.Done()
-    config = setup.engine_config(mode=setup.mode, staging_bytes=setup.staging_bytes)
+    # The bench holds every request of a point at once, its cache sized to hold exactly them (or, with
+    # vllm-pool, them and the churn's ids): the hold cap is the whole cache, never the serving default.
+    config = setup.engine_config(mode=setup.mode, staging_bytes=setup.staging_bytes, max_held_blocks=setup.num_blocks)
     rank.producer = Producer(rank.cache, config, engine_id=setup.engine_id,
                              incarnation=setup.incarnation)
     return m.Started(rank.producer.address, rank.producer.descriptor)

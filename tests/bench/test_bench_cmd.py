@@ -52,6 +52,24 @@ def test_p1_d1_verified_run_reports_every_figure(tmp_path):
     assert "ceiling" in proc.stdout and "coalesced*" in proc.stdout  # the summary table
 
 
+def test_vllm_pool_allocation_moves_verified_bytes_and_states_its_pool(tmp_path):
+    """--allocation vllm-pool: ids from the simulated vLLM pool after a churn (bench/vllm_pool.py), P1 -> D2 so
+    the two sides' block sizes differ; every byte verified through real NIXL agents."""
+    from hybrid_transfer.bench import vllm_pool
+
+    proc, out = _bench(tmp_path, "--tokens", "600", "--requests", "3", "--concurrency", "2", "--warmup", "1",
+                       "--decode-tp", "2", "--allocation", "vllm-pool", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["allocation"] == "vllm-pool" and doc["verified"] is True
+    assert doc["live_requests"] == vllm_pool.LIVE_PER_TIMED * 3
+    model = load_preset("qwen3.5-0.8b")
+    want = [vllm_pool.bench_pool_blocks(RankGeometry(model, tp, 0), 600, 3) for tp in (1, 2)]
+    assert doc["pool_blocks"] == want
+    assert doc["descriptors_per_request"] > 1 and doc["gbps"] > 0
+    assert "vllm-pool" in proc.stdout  # the headline names the allocation
+
+
 def test_fan_out_sweep_with_naive_mode_and_plot(tmp_path):
     plot = tmp_path / "bench.png"
     proc, out = _bench(tmp_path, "--decode-tp", "2", "--mode", "naive", "--tokens", "64", "--requests", "2",
