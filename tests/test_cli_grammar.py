@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
-from hybrid_transfer.cli import EXIT_CLOSED_PIPE, build_parser, main
+from hybrid_transfer.cli import build_parser, main
 from hybrid_transfer.doctor import CheckResult, DoctorReport, Status
 
 PRESET = "qwen3.5-0.8b"
@@ -99,6 +101,19 @@ def test_log_level_is_accepted_after_the_subcommand():
     assert json.loads(proc.stdout)["tp_size"] == 1
 
 
+@pytest.mark.parametrize(("level", "nixl"), [("debug", "DEBUG"), ("info", "INFO"), ("warning", None)])
+def test_log_level_debug_or_info_lets_nixl_log_too(capsys, monkeypatch, level, nixl):
+    monkeypatch.delenv("NIXL_LOG_LEVEL", raising=False)
+    assert main([*LAYOUT, "--log-level", level]) == 0
+    assert os.environ.get("NIXL_LOG_LEVEL") == nixl  # read by NIXL when it is first imported
+
+
+def test_a_nixl_log_level_in_the_environment_wins(capsys, monkeypatch):
+    monkeypatch.setenv("NIXL_LOG_LEVEL", "ERROR")
+    assert main([*LAYOUT, "--log-level", "debug"]) == 0
+    assert os.environ["NIXL_LOG_LEVEL"] == "ERROR"
+
+
 def test_a_mistyped_subcommand_gets_a_suggestion(capsys):
     with pytest.raises(SystemExit) as info:
         main(["plna"])
@@ -131,7 +146,7 @@ def test_a_closed_stdout_pipe_ends_quietly():
     _, err = proc.communicate(timeout=120)
     err = err.decode()
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
-    assert proc.returncode == EXIT_CLOSED_PIPE
+    assert proc.returncode == 128 + signal.SIGPIPE  # what a shell reports for a program SIGPIPE ended
 
 
 def test_a_broken_pipe_that_is_not_stdout_still_raises(monkeypatch):
