@@ -22,8 +22,9 @@ revokes the holds that agent claimed, through the abort path. A disconnected age
 one lease (lifecycle/gone.py): a claim of it that arrives later, or was kept for a hold that comes
 later, revokes that hold at once. A slow agent keeps its lease.
 
-A hold answers to its reader (docs/lifecycle.md#who-reports, lifecycle/holds.py): only the agent whose
-claim for a consumer rank was confirmed reports for that rank; before any claim, a decline does.
+A hold answers to its reader (docs/lifecycle.md#who-reports, lifecycle/holds.py): once a claim for a
+consumer rank was confirmed, only its agent reports for that rank; a report before any claim ends the
+rank's part, and later claims for it are answered ENDED.
 Held blocks are capped per rank (``EngineConfig.max_held_blocks``): a hold beyond it is refused.
 """
 
@@ -89,7 +90,7 @@ class ProducerStats:
     early_evicted: int = 0  # ... pushed out because too many were kept
     bad_nonce: int = 0  # the request is held, but the sender was not handed its ticket
     duplicate: int = 0  # this consumer rank already reported the request
-    not_reader: int = 0  # reports ignored: not from the rank's confirmed reader, nor a decline before any claim
+    not_reader: int = 0  # reports ignored: another agent than the one whose claim for that rank was confirmed
     inconsistent: int = 0  # an expected-consumer count that contradicts an earlier one
     renewals: int = 0  # heartbeat entries that renewed a lease
     stale_heartbeats: int = 0  # heartbeat entries for unknown or ended requests (or another ticket's nonce)
@@ -557,7 +558,7 @@ class Producer:
                 status = wire.ClaimStatus.EDITED
             elif body.consumer_rank in hold.claimed:
                 status = wire.ClaimStatus.CLAIMED
-            elif body.consumer_rank in hold.heard:  # the rank declined before any claim: the ticket is over for it
+            elif body.consumer_rank in hold.heard:  # reported before any claim (a decline): the ticket is over for it
                 status = wire.ClaimStatus.ENDED
             else:
                 hold.claimed[body.consumer_rank] = sender
@@ -590,8 +591,7 @@ class Producer:
             self._early.keep(sender, body)  # type: ignore[arg-type]  # its hold, when it comes, is revoked at once
 
     def _count_report(self, sender: str, hold: Hold, body: wire.Completion) -> None:
-        heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender,
-                                  done=body.kind is wire.CompletionKind.DONE)
+        heard = self._book.report(hold, body.consumer_rank, body.expected_consumers, sender)
         if heard is Heard.NOT_READER:
             self.stats.not_reader += 1
             self._log.warning("not reader", "producer %s: %s reported %r for consumer rank %d without its confirmed "

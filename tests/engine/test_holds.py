@@ -31,13 +31,12 @@ def test_shared_blocks_are_pinned_per_hold_and_released_with_the_last():
     assert book.num_pinned_blocks == 4 and book.num_held_requests == 2
     with pytest.raises(RequestStateError):
         book.add("a", 3, ((5,), (6,)), 1)
-    a.claimed, b.claimed = {0: "c0"}, {0: "c0", 1: "c1"}
-    assert book.report(a, 0, 1, "c0", done=True) is Heard.ENDED and book.pop_released() == ["a"]
+    assert book.report(a, 0, 1, "c0") is Heard.ENDED and book.pop_released() == ["a"]
     assert book.num_pinned_blocks == 2  # block 1 is still b's
-    assert book.report(b, 0, 2, "c0", done=True) is Heard.COUNTED
-    assert book.report(b, 0, 2, "c0", done=True) is Heard.DUPLICATE
-    assert book.report(b, 1, 3, "c1", done=True) is Heard.INCONSISTENT
-    assert book.report(b, 1, 2, "c1", done=True) is Heard.ENDED
+    assert book.report(b, 0, 2, "c0") is Heard.COUNTED
+    assert book.report(b, 0, 2, "c0") is Heard.DUPLICATE
+    assert book.report(b, 1, 3, "c1") is Heard.INCONSISTENT
+    assert book.report(b, 1, 2, "c1") is Heard.ENDED
     assert book.pop_released() == ["b"] and book.num_pinned_blocks == 0
     assert book.terminal_counts == {"freed": 2}
 
@@ -50,7 +49,7 @@ def test_fences_refuse_a_hold_and_delay_a_release():
     book.fences.finish(1)
     hold = book.add("a", 1, ((1, 2), (3,)), 20)
     book.fences.mark([2], 4)
-    book.report(hold, 0, 1, "c0", done=False)  # a decline before any claim
+    book.report(hold, 0, 1, "c0")
     assert book.pop_released() == [] and book.num_pinned_blocks == 3 and book.num_releasing == 1
     book.fences.finish(4)
     assert book.pop_released() == ["a"] and book.num_pinned_blocks == 0
@@ -88,8 +87,7 @@ def test_aborts_end_at_once_without_readers_else_after_every_ack_or_the_lease():
     assert book.terminal_counts == {"aborted": 3}
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["add", "claim", "report", "decline", "abort", "ack", "renew", "tick", "mark",
-                                          "finish"]),
+OPS = st.lists(st.tuples(st.sampled_from(["add", "claim", "report", "abort", "ack", "renew", "tick", "mark", "finish"]),
                          st.integers(0, 4), st.integers(0, 2)), max_size=80)
 
 
@@ -109,10 +107,10 @@ def test_every_hold_ends_once_and_pins_exactly_what_is_not_released(ops):
                 pass
         elif hold is not None and op == "claim" and x not in hold.claimed and x not in hold.heard:
             hold.claimed[x] = f"c{x}"  # what Producer._on_claim records for a confirmed claim
-        elif hold is not None and op in ("report", "decline"):
+        elif hold is not None and op == "report":
             reader = hold.claimed.get(x)
-            heard = book.report(hold, x, 2, f"c{i % 3}", done=op == "report")
-            if f"c{i % 3}" != reader and (reader is not None or op == "report"):
+            heard = book.report(hold, x, 2, f"c{i % 3}")
+            if reader is not None and f"c{i % 3}" != reader:
                 assert heard is Heard.NOT_READER and hold.state is not HoldState.FREED
         elif hold is not None and op == "abort" and hold.state is HoldState.HELD:
             book.abort(hold, {f"c{k}" for k in range(x)})
@@ -144,22 +142,21 @@ def test_a_report_counts_only_from_the_agent_whose_claim_for_its_rank_was_confir
     book, _ = _book()
     hold = book.add("a", 1, ((1, 2), (3,)), 20)
     hold.claimed[0] = "reader"
-    for done in (True, False):
-        assert book.report(hold, 0, 1, "second", done=done) is Heard.NOT_READER
+    assert book.report(hold, 0, 1, "second") is Heard.NOT_READER
     assert hold.state is HoldState.HELD and hold.heard == {} and book.pop_released() == []
-    assert book.report(hold, 0, 1, "reader", done=False) is Heard.ENDED  # the reader's own abort counts
+    assert book.report(hold, 0, 1, "reader") is Heard.ENDED
     assert book.pop_released() == ["a"] and book.terminal_counts == {"freed": 1}
 
 
-def test_before_any_claim_only_a_decline_counts_for_a_rank():
+def test_before_any_claim_the_first_report_speaks_for_a_rank():
+    """A decline, or a DONE of a rank that read nothing here (zero tokens, a fan-in source it only notifies)."""
     book, _ = _book()
     hold = book.add("a", 1, ((1, 2), (3,)), 20)
-    assert book.report(hold, 0, 2, "anyone", done=True) is Heard.NOT_READER  # DONE needs a confirmed claim
-    assert book.report(hold, 0, 2, "anyone", done=False) is Heard.COUNTED
-    assert book.report(hold, 0, 2, "other", done=False) is Heard.DUPLICATE
+    assert book.report(hold, 0, 2, "anyone") is Heard.COUNTED
+    assert book.report(hold, 0, 2, "other") is Heard.DUPLICATE
     hold.claimed[1] = "reader"
-    assert book.report(hold, 1, 2, "other", done=False) is Heard.NOT_READER
-    assert book.report(hold, 1, 2, "reader", done=True) is Heard.ENDED and hold.state is HoldState.FREED
+    assert book.report(hold, 1, 2, "other") is Heard.NOT_READER
+    assert book.report(hold, 1, 2, "reader") is Heard.ENDED and hold.state is HoldState.FREED
 
 
 def test_held_blocks_are_capped_and_a_refused_hold_pins_nothing():
@@ -175,7 +172,7 @@ def test_held_blocks_are_capped_and_a_refused_hold_pins_nothing():
     book.add("c", 3, ((1, 2), (4,)), 20)  # shares two of a's blocks: one more pinned
     book.add("d", 4, ((5,), (3,)), 20)
     assert book.num_pinned_blocks == 5
-    book.report(a, 0, 1, "c0", done=False)
+    book.report(a, 0, 1, "c0")
     assert book.pop_released() == ["a"] and book.num_pinned_blocks == 5  # 1, 2 and 3 are still c's and d's
     with pytest.raises(HoldCapacityError):
         book.add("e", 5, ((6,), (7,)), 1)

@@ -326,7 +326,7 @@ def test_the_book_watches_unreported_claims_and_unacknowledged_revocations():
     b = book.add("b", 2, ((2,), (3,)), 4)
     a.claimed = {0: "x", 1: "y"}
     b.claimed = {0: "x"}
-    book.report(a, 0, 2, "x", done=True)  # x reported a, not b
+    book.report(a, 0, 2, "x")  # x reported a, not b
     assert [h.request_id for h in book.claimed_by("x")] == ["b"]
     assert [h.request_id for h in book.claimed_by("y")] == ["a"]
     assert book.watched_agents() == {"x", "y"}

@@ -18,7 +18,7 @@ import pytest
 from api_ops import decline
 from auth_ops import sealed_notify
 from harness import TINY, RankSpec, hold_everywhere, raw_notify, start_consumers, start_producers
-from lifecycle_ops import resume, status, wait_results
+from lifecycle_ops import abort, resume, status, wait_results
 
 from hybrid_transfer.engine import EngineConfig, wire
 from hybrid_transfer.verify import RequestLayout
@@ -167,26 +167,30 @@ def test_row3_while_a_confirmed_reader_is_unreported_nothing_b_sends_frees_the_h
     assert st["stats"]["completions"] == 1 and st["stats"]["not_reader"] == 5
 
 
-def test_row3_before_any_claim_a_decline_ends_the_hold_and_the_late_reader_never_reports_done(setup):
-    """The honest path for a request dropped before its read: the decline frees at once; a READ that comes
-    later (or was in flight) is answered ENDED at its claim, so it fails instead of trusting the bytes."""
+def test_row3_before_any_claim_a_report_ends_the_hold_and_a_late_reader_never_reports_done(setup):
+    """The honest path for a request dropped before its read (a decline), or read from elsewhere (a DONE of a
+    rank with nothing to read here): the report frees at once, and a READ that comes later (or was in flight)
+    is answered ENDED at its claim, so it fails instead of trusting the bytes of the next hold."""
     s = setup
-    ticket_bytes = hold_everywhere(s.producers, "r1", LAYOUT, seed=32)
-    ticket = wire.decode_ticket(ticket_bytes)
     s.b_link()
-    s.b_raw(ticket, wire.CompletionKind.DONE)  # DONE without a confirmed claim: never counts
-    _assert_held(s, "r1", 1)
-    assert s.b_worker.call("call", decline, s.bk, ticket_bytes) is True
-    assert s.p_worker.call("wait_freed", s.pk, ["r1"], WAIT_S) == ["r1"]
-    st = s.p_status(["r1"])
-    assert st["terminal"] == {"freed": 1} and st["stats"]["completions_aborted"] == 1
-    # r2 takes the same blocks with other bytes; A, reading r1's ticket now, is told r1 ended.
-    hold_everywhere(s.producers, "r2", LAYOUT, seed=33)
-    s.a_worker.call("start_read", s.ak, ticket_bytes, LOCAL.block_ids, 20)
-    result = s.a_worker.call("call", wait_results, s.ak, ["r1"], WAIT_S)["r1"]
-    assert result is not None and (result["state"], result["cause"]) == ("failed", "ticket_replayed"), result
-    st = s.p_status(["r2"])
-    assert st["holds"] == {"r2": "held"} and st["stats"]["claims_refused"] == 1
+    for n, how in enumerate(("decline", "done")):
+        rid, next_rid = f"r{n}", f"next{n}"
+        ticket_bytes = hold_everywhere(s.producers, rid, LAYOUT, seed=32 + n)
+        if how == "decline":
+            assert s.b_worker.call("call", decline, s.bk, ticket_bytes) is True
+        else:
+            s.b_raw(wire.decode_ticket(ticket_bytes), wire.CompletionKind.DONE)
+        assert s.p_worker.call("wait_freed", s.pk, [rid], WAIT_S) == [rid]
+        hold_everywhere(s.producers, next_rid, LAYOUT, seed=40 + n)  # the same blocks, other bytes
+        s.a_worker.call("start_read", s.ak, ticket_bytes, LOCAL.block_ids, 20)
+        result = s.a_worker.call("call", wait_results, s.ak, [rid], WAIT_S)[rid]
+        assert result is not None and (result["state"], result["cause"]) == ("failed", "ticket_replayed"), result
+        assert s.p_status([next_rid])["holds"] == {next_rid: "held"}
+        assert s.p_worker.call("call", abort, s.pk, next_rid)
+        assert s.p_worker.call("wait_freed", s.pk, [next_rid], WAIT_S) == [next_rid]
+    st = s.p_status()
+    assert st["terminal"] == {"freed": 2, "aborted": 2} and st["stats"]["claims_refused"] == 2
+    assert st["stats"]["claims_confirmed"] == 0 and st["stats"]["not_reader"] == 0
 
 
 def test_row3_after_the_readers_done_late_reports_touch_no_later_hold_of_the_blocks(setup):

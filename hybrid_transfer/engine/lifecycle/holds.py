@@ -8,11 +8,12 @@ Rules:
 - A hold pins its blocks, counted per hold (prefix caching may share attention blocks); at most
   ``max_pinned_blocks`` distinct blocks are pinned at once, and a hold beyond that is refused before it
   pins anything (HoldCapacityError).
-- A hold answers to its readers (docs/lifecycle.md#who-reports): a report for consumer rank r counts only
-  from the agent whose claim for r was confirmed; before any claim for r, a decline (an ABORTED or FAILED
-  report) from any agent counts for r, and later claims for r are refused. Anything else is NOT_READER:
-  counted by the caller, ignored here. So no report can end a hold while a confirmed reader has not
-  reported, and nobody who read the blocks before that reports DONE on them.
+- A hold answers to its readers (docs/lifecycle.md#who-reports): once a claim for consumer rank r was
+  confirmed, only that claim's agent reports for r; another agent's report is NOT_READER (counted by the
+  caller, ignored here). Before any claim for r, a report from any handshaken agent counts for r (a
+  decline, or a DONE from a consumer rank that read nothing from this rank), and the Producer then answers
+  later claims for r ENDED. So no report can end a hold while a confirmed reader has not reported, and a
+  READ that was in flight when a report ended the hold is never reported DONE (its claim is refused).
 - It ends FREED once every expected consumer rank has reported (done, aborted or failed),
   EXPIRED when its lease runs out first, ABORTED when the embedder aborts it.
 - An abort cannot see whether a READ is in flight, so it asks: every consumer agent that may be
@@ -49,7 +50,7 @@ class Heard(enum.Enum):
     DUPLICATE = "duplicate"  # this consumer rank already reported
     INCONSISTENT = "inconsistent"  # an expected-consumer count that contradicts an earlier one
     STALE = "stale"  # the hold no longer waits for anything (it is ending or ended)
-    NOT_READER = "not_reader"  # not from the rank's confirmed reader (nor a decline before any claim): ignored
+    NOT_READER = "not_reader"  # another agent than the one whose claim for the rank was confirmed: ignored
 
 
 class HoldBook:
@@ -104,14 +105,14 @@ class HoldBook:
         return self._holds.get(request_id)
 
     # ---- what consumers say -------------------------------------------------------------
-    def report(self, hold: Hold, consumer_rank: int, expected_consumers: int, agent: str, *, done: bool) -> Heard:
-        """``agent`` reports consumer rank ``consumer_rank`` finished with the request: ``done``, else aborted or failed.
+    def report(self, hold: Hold, consumer_rank: int, expected_consumers: int, agent: str) -> Heard:
+        """``agent`` reports consumer rank ``consumer_rank`` finished with the request (done, aborted or failed).
 
-        Only the agent whose claim for the rank was confirmed speaks for it; before any claim for the rank, a
-        decline (not ``done``) from anyone does (the caller has checked the agent handshaked).
+        Once a claim for the rank was confirmed only its agent speaks for the rank; before that, any agent
+        does (the caller has checked that it handshaked).
         """
         reader = hold.claimed.get(consumer_rank)
-        if agent != reader and (reader is not None or done):
+        if reader is not None and agent != reader:
             return Heard.NOT_READER
         if consumer_rank in hold.heard:
             return Heard.DUPLICATE
