@@ -35,6 +35,7 @@ import numpy as np
 
 from hybrid_transfer.engine.config import EngineConfig, PrepStrategy, ProgressPolicy
 from hybrid_transfer.engine.metrics import Histogram
+from hybrid_transfer.engine.nixl_install import quiet_by_default
 from hybrid_transfer.engine.poster import Poster
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
 
@@ -65,6 +66,7 @@ def _nixl_api(module: str | None = None) -> Any:
 
     Imported lazily: loading NIXL and UCX costs ~1 s (and the meta package's CUDA probe imports torch).
     """
+    quiet_by_default()  # NIXL reads its log level once, on import: INFO lines only when asked for
     if module is not None:
         return importlib.import_module(module)
     import nixl._api as api
