@@ -173,13 +173,15 @@ def test_row3_before_any_claim_a_report_ends_the_hold_and_a_late_reader_never_re
     is answered ENDED at its claim, so it fails instead of trusting the bytes of the next hold."""
     s = setup
     s.b_link()
-    for n, how in enumerate(("decline", "done")):
+    for n, how in enumerate(("decline", "done", "read and abort")):
         rid, next_rid = f"r{n}", f"next{n}"
         ticket_bytes = hold_everywhere(s.producers, rid, LAYOUT, seed=32 + n)
         if how == "decline":
             assert s.b_worker.call("call", decline, s.bk, ticket_bytes) is True
-        else:
+        elif how == "done":
             s.b_raw(wire.decode_ticket(ticket_bytes), wire.CompletionKind.DONE)
+        else:  # B's claim comes first, so B is the reader; its abort ends the hold
+            s.b_worker.call("call", read_then_abort, s.bk, ticket_bytes, B_LOCAL.block_ids, 20)
         assert s.p_worker.call("wait_freed", s.pk, [rid], WAIT_S) == [rid]
         hold_everywhere(s.producers, next_rid, LAYOUT, seed=40 + n)  # the same blocks, other bytes
         s.a_worker.call("start_read", s.ak, ticket_bytes, LOCAL.block_ids, 20)
@@ -189,8 +191,8 @@ def test_row3_before_any_claim_a_report_ends_the_hold_and_a_late_reader_never_re
         assert s.p_worker.call("call", abort, s.pk, next_rid)
         assert s.p_worker.call("wait_freed", s.pk, [next_rid], WAIT_S) == [next_rid]
     st = s.p_status()
-    assert st["terminal"] == {"freed": 2, "aborted": 2} and st["stats"]["claims_refused"] == 2
-    assert st["stats"]["claims_confirmed"] == 0 and st["stats"]["not_reader"] == 0
+    assert st["terminal"] == {"freed": 3, "aborted": 3} and st["stats"]["claims_refused"] == 3
+    assert st["stats"]["claims_confirmed"] == 1 and st["stats"]["not_reader"] == 0
 
 
 def test_row3_after_the_readers_done_late_reports_touch_no_later_hold_of_the_blocks(setup):
