@@ -71,3 +71,119 @@ def test_prefill_asks_for_one_token_without_streaming_and_a_remote_decode(proxy)
 def test_a_prefill_answer_without_params_is_refused(proxy, response):
     with pytest.raises(proxy.ProxyError, match="kv_transfer_params"):
         proxy.decode_body({"prompt": "p"}, response)
+
+
+# ---- several prefill / decode endpoints (DEP: several DEP2 prefill endpoints, one DEP8 decode) ----------
+URLS = ("http://p0:8100", "http://p1:8100", "http://p2:8100")
+
+
+def test_round_robin_takes_the_urls_in_turn(proxy):
+    balancer = proxy.Balancer(URLS, "round-robin")
+    picks = [balancer.acquire() for _ in range(7)]
+    assert picks == [*URLS, *URLS, URLS[0]]  # in turn, whatever is in flight
+
+
+def test_least_loaded_takes_the_url_with_fewest_calls_in_flight_ties_in_turn(proxy):
+    balancer = proxy.Balancer([u + "/" for u in URLS])  # a trailing slash is dropped
+    first = [balancer.acquire() for _ in range(3)]
+    assert first == list(URLS)  # a tie of zeros: in turn
+    balancer.release(URLS[1])
+    assert balancer.acquire() == URLS[1]  # the only one with nothing in flight
+    balancer.release(URLS[2])
+    balancer.release(URLS[0])
+    assert balancer.in_flight() == {URLS[0]: 0, URLS[1]: 1, URLS[2]: 0}
+    assert balancer.acquire() == URLS[2]  # a tie of 0 and 0: the turn goes on after URLS[1]
+    assert balancer.acquire() == URLS[0]
+    with balancer.use() as url:  # all at 1: in turn again
+        assert url == URLS[1] and balancer.in_flight()[url] == 2
+    assert balancer.in_flight() == dict.fromkeys(URLS, 1)
+
+
+@pytest.mark.parametrize(("urls", "policy", "match"), [
+    ((), "least-loaded", "at least one"),
+    (("http://a", "http://a/"), "least-loaded", "repeat"),
+    (("http://a",), "random", "policy"),
+])
+def test_bad_balancer_settings_are_refused(proxy, urls, policy, match):
+    with pytest.raises(ValueError, match=match):
+        proxy.Balancer(urls, policy)
+
+
+def test_a_release_without_a_call_in_flight_is_refused(proxy):
+    balancer = proxy.Balancer(URLS[:1])
+    with pytest.raises(ValueError, match="no call in flight"):
+        balancer.release(URLS[0])
+
+
+class _Upstream:
+    """A fake engine over HTTP: records each request body; prefill answers with params naming itself."""
+
+    def __init__(self, name: str, *, prefill: bool):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        bodies = self.bodies = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                bodies.append(body)
+                answer = {"kv_transfer_params": {**PARAMS, "remote_engine_id": f"{name}_dp0"}} if prefill else \
+                    {"echo": body["kv_transfer_params"]}
+                data = json.dumps(answer).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, name=f"fake-{name}", daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=10)
+
+
+def test_the_proxy_spreads_requests_over_several_prefill_and_decode_endpoints(proxy):
+    import threading
+    import urllib.request
+    from http.server import ThreadingHTTPServer
+
+    prefills = [_Upstream(f"prefill-{i}", prefill=True) for i in range(2)]
+    decodes = [_Upstream(f"decode-{i}", prefill=False) for i in range(2)]
+    handler = type("H", (proxy.Handler,), {"prefill": proxy.Balancer([u.url for u in prefills], "round-robin"),
+                                           "decode": proxy.Balancer([u.url for u in decodes], "round-robin"),
+                                           "timeout_s": 30.0, "log_message": lambda *a: None})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, name="proxy", daemon=True)
+    thread.start()
+    try:
+        answers = []
+        for i in range(4):
+            req = urllib.request.Request(f"http://127.0.0.1:{server.server_address[1]}/v1/completions",
+                                         data=json.dumps({"model": "m", "prompt": f"p{i}", "max_tokens": 8}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                answers.append(json.loads(resp.read()))
+        assert [len(u.bodies) for u in prefills + decodes] == [2, 2, 2, 2]
+        issuers = [a["echo"]["remote_engine_id"] for a in answers]
+        assert issuers == ["prefill-0_dp0", "prefill-1_dp0"] * 2  # each decode call carries its issuer's params
+        for answer in answers:
+            assert {k: v for k, v in answer["echo"].items() if k != "remote_engine_id"} == PARAMS  # verbatim
+        assert all(b["kv_transfer_params"] == proxy.PREFILL_PARAMS and b["max_tokens"] == 1 for b in
+                   prefills[0].bodies + prefills[1].bodies)
+        assert handler.prefill.in_flight() == dict.fromkeys(handler.prefill.urls, 0)
+        assert handler.decode.in_flight() == dict.fromkeys(handler.decode.urls, 0)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+        for upstream in prefills + decodes:
+            upstream.close()
