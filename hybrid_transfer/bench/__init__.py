@@ -3,6 +3,7 @@
 Modules, one job each:
   spec         BenchSpec: the validated run description (flags of `hybrid-transfer bench`)
   sizing       block pools, request layouts, ceiling slot sizes, memory estimate (pure)
+  vllm_pool    --allocation vllm-pool: block ids from vLLM 0.33's shared block pool under a churn (pure)
   messages     the typed commands and replies coordinator and rank processes exchange (msgspec, strict)
   worker       a rank process: Producer or Consumer, ceiling agent, timed loops; one handler per command
   ceiling      single-descriptor READs between bare agents of the same processes, and their byte pattern
