@@ -63,6 +63,11 @@ def _set_env(state, key, name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
+def _is_producer(state, key) -> bool:
+    """Run in a host process: whether the hosted rank runs a producer (and so binds a side-channel port)."""
+    return state.ranks[key].connector._worker.producer is not None
+
+
 def test_two_prefill_dp_engines_to_two_decode_dp_engines_from_one_extra_config(model_dir, hosts, monkeypatch):
     base = free_port_block(DP * P_TP)
     # One dict for every engine core: every interface, advertised from the host's environment.
@@ -90,6 +95,7 @@ def test_two_prefill_dp_engines_to_two_decode_dp_engines_from_one_extra_config(m
             assert p.vllm_config.kv_transfer_config.engine_id == f"prefill-ep_dp{dp}"  # vLLM's suffix
             card = p.connector._scheduler.card
             assert card.addresses == tuple(f"tcp://127.0.0.1:{base + dp * P_TP + r}" for r in range(P_TP))
+        assert [d.call("call", _is_producer) for d in decodes] == [False, False]  # kv_consumer binds nothing
 
         # Every pair: prefill on P_i, the params through JSON (the proxy), decode on D_j.
         for (i, j), n in N.items():
