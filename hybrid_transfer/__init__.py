@@ -39,6 +39,13 @@ _LAZY = {
     "EngineAttentionSpec": "hybrid_transfer.layout.engine_spec",
     "EngineStateSpec": "hybrid_transfer.layout.engine_spec",
     "geometry_from_engine_spec": "hybrid_transfer.layout.engine_spec",
+    "EngineGroup": "hybrid_transfer.layout.engine_spec",
+    "engine_group_order": "hybrid_transfer.layout.engine_spec",
+    "to_our_group_order": "hybrid_transfer.layout.engine_spec",
+    "to_engine_group_order": "hybrid_transfer.layout.engine_spec",
+    "carve_slots": "hybrid_transfer.cache_slots",
+    "slots_from_layer_views": "hybrid_transfer.cache_slots",
+    "ReadResult": "hybrid_transfer.engine",
 }
 
 __all__ = ["CacheOptions", "HybridTransferError", "RankGeometry", "kernel_block_ids", "load_preset", *_LAZY]

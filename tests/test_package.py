@@ -25,10 +25,15 @@ def test_the_embedding_api_is_importable_from_the_package():
     from hybrid_transfer.layout import engine_spec
 
     for name in ("EngineCard", "RankCard", "issue_ticket", "encode_rank_card", "decode_rank_card", "ticket_to_params",
-                 "ticket_from_params", "encode_ticket", "decode_ticket", "ReadState", "FailureCause"):
+                 "ticket_from_params", "encode_ticket", "decode_ticket", "ReadState", "FailureCause", "ReadResult"):
         assert getattr(hybrid_transfer, name) is getattr(engine, name), name
-    for name in ("EngineRankSpec", "EngineAttentionSpec", "EngineStateSpec", "geometry_from_engine_spec"):
+    for name in ("EngineRankSpec", "EngineAttentionSpec", "EngineStateSpec", "geometry_from_engine_spec",
+                 "EngineGroup", "engine_group_order", "to_our_group_order", "to_engine_group_order"):
         assert getattr(hybrid_transfer, name) is getattr(engine_spec, name), name
+    from hybrid_transfer import cache_slots
+
+    assert hybrid_transfer.carve_slots is cache_slots.carve_slots
+    assert hybrid_transfer.slots_from_layer_views is cache_slots.slots_from_layer_views
 
 
 def test_importing_the_package_loads_no_torch_nixl_or_zeromq():
