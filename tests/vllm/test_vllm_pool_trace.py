@@ -1,8 +1,10 @@
 """``--allocation vllm-pool`` (bench/vllm_pool.py) against vLLM 0.33's real KVCacheManager: the same trace, the same ids.
 
 A KVCacheConfig of qwen3.5-0.8b from vLLM's own planning code (naive_helpers.build_engine, no prefix
-caching), vLLM's KVCacheManager over it, and the bench's churn replayed through both: every arrival
-gets the same block ids per group, and the bench's timed layouts are vLLM's ids in our group order.
+caching), vLLM's KVCacheManager over it, and the bench's churn replayed through both, on a prefill
+engine's path (the prompt computed) and a decode engine's (the prompt as external tokens of an async
+load): every arrival gets the same block ids per group, and the bench's timed layouts are vLLM's ids
+in our group order.
 Run in the vLLM environment:
 
   PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu VLLM_SSM_CONV_STATE_LAYOUT=DS HF_HUB_OFFLINE=1 \\
@@ -44,9 +46,18 @@ def _manager(engine: nh.Engine) -> KVCacheManager:
                           hash_block_size=hash_block_size, enable_caching=False)
 
 
+def _allocate(manager: KVCacheManager, request, tokens: int, side: str):
+    """A prefill engine computes the prompt (allocate_slots for its tokens); a decode engine gets the same
+    count as external tokens an async load will write (the scheduler's path for a remote prefill)."""
+    if side == "prefill":
+        return manager.allocate_slots(request, tokens)
+    return manager.allocate_slots(request, 0, num_external_computed_tokens=tokens, delay_cache_blocks=True)
+
+
 # TP 1: 544-token blocks, 1,500 tokens end in a partial third block; TP 4: 272-token blocks.
+@pytest.mark.parametrize("side", ["prefill", "decode"])
 @pytest.mark.parametrize(("tp", "tokens", "seed"), [(1, 1500, 0), (4, 2048, 5)])
-def test_churn_through_vllms_kv_cache_manager_gives_the_simulated_ids(tp, tokens, seed):
+def test_churn_through_vllms_kv_cache_manager_gives_the_simulated_ids(tp, tokens, seed, side):
     geo = RankGeometry(load_preset(PRESET), tp, 0)
     num_blocks = vllm_pool.bench_pool_blocks(geo, tokens, REQUESTS)
     engine = nh.build_engine(PRESET, tp, num_blocks)
@@ -67,7 +78,7 @@ def test_churn_through_vllms_kv_cache_manager_gives_the_simulated_ids(tp, tokens
     for ev in events:
         if isinstance(ev, Arrive):
             request = make_request(f"r{ev.request}", ev.tokens)
-            assert manager.allocate_slots(request, ev.tokens) is not None, ev
+            assert _allocate(manager, request, ev.tokens, side) is not None, ev
             got = [list(g) for g in manager.get_block_ids(request.request_id)]
             assert got == simulated[ev.request], ev
             live[ev.request] = request
