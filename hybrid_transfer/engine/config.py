@@ -223,6 +223,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """Return self, or raise ConfigError naming the first bad field."""
         if not isinstance(self.side_channel_host, str) or not self.side_channel_host:
             _bad("side_channel_host", self.side_channel_host, "must be a non-empty host name or address")
+        if self.side_channel_host.startswith(HOST_SOURCES):
+            _bad("side_channel_host", self.side_channel_host,
+                 "names where to find the address; only EngineConfig.from_dict resolves it")
         if not isinstance(self.side_channel_port, int) or not 0 <= self.side_channel_port <= 65535:
             _bad("side_channel_port", self.side_channel_port, "must be in [0, 65535] (0 picks a free port)")
         self._validate_advertise_host()
@@ -309,9 +312,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         - ``side_channel_port`` is a base: TP rank ``tp_rank`` of DP engine ``dp_index`` binds
           ``base + dp_index * tp_size + tp_rank`` (``tp_size`` is needed once ``dp_index`` > 0);
           0 lets every rank pick a free port (read it back from ``Producer.rank_card``).
-        - ``advertise_host`` may name where to find the address instead of giving it:
-          ``"env:VAR"`` (this process's environment variable VAR) or ``"interface:NAME"`` (the
-          IPv4 address of network interface NAME on this host).
+        - ``advertise_host`` and ``side_channel_host`` may name where to find the address instead
+          of giving it: ``"env:VAR"`` (this process's environment variable VAR) or
+          ``"interface:NAME"`` (the IPv4 address of network interface NAME on this host).
 
         Raises:
             ConfigError: not a mapping, an unknown key, a value of the wrong type or an invalid
@@ -334,8 +337,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                                       f"{', '.join(CostParams.__struct_fields__)}", field=f"cost.{key}",
                                       value=cost[key])
         config = dict(config)
-        if "advertise_host" in config:
-            config["advertise_host"] = resolve_host_source(config["advertise_host"])
+        for key in HOST_FIELDS:
+            if key in config:
+                config[key] = resolve_host_source(config[key], field=key)
         try:
             built = msgspec.convert(config, cls, strict=True)
         except msgspec.ValidationError as exc:
@@ -380,7 +384,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return min(5.0, self.lease_s / 4)
 
 
-HOST_SOURCES = ("env:", "interface:")  # advertise_host values that say where the address is (from_dict)
+HOST_SOURCES = ("env:", "interface:")  # host values that say where the address is (resolved by from_dict)
+HOST_FIELDS = ("side_channel_host", "advertise_host")  # the settings that take them
 _SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
 
 
@@ -408,11 +413,12 @@ def rank_port_offset(*, tp_rank: int, tp_size: int | None, dp_index: int) -> int
     return dp_index * tp_size + tp_rank
 
 
-def resolve_host_source(value: Any) -> Any:
+def resolve_host_source(value: Any, *, field: str = "advertise_host") -> Any:
     """``"env:VAR"`` -> the variable's value, ``"interface:NAME"`` -> the interface's IPv4 address; else ``value``.
 
     Raises:
-        ConfigError: the variable is unset or empty, or the interface has no IPv4 address here.
+        ConfigError: the variable is unset or empty, or the interface has no IPv4 address here
+            (``field`` names the setting).
     """
     if not isinstance(value, str) or not value.startswith(HOST_SOURCES):
         return value
@@ -420,22 +426,22 @@ def resolve_host_source(value: Any) -> Any:
     if kind == "env":
         host = os.environ.get(name, "").strip() if name else ""
         if not host:
-            raise ConfigError(f"EngineConfig.advertise_host={value!r}: environment variable {name!r} is unset or "
-                              "empty in this process", field="advertise_host", value=value)
+            raise ConfigError(f"EngineConfig.{field}={echo(value)}: environment variable {echo(name)} is unset or "
+                              "empty in this process", field=field, value=value)
         return host
     import fcntl  # Linux (as vLLM serving is); imported here so the config module loads everywhere
     import socket
     import struct
 
     if not 0 < len(name.encode(errors="replace")) < 16 or "\0" in name:  # IFNAMSIZ: the kernel would truncate
-        raise ConfigError(f"EngineConfig.advertise_host={value!r}: {name!r} is not an interface name (1-15 bytes)",
-                          field="advertise_host", value=value)
+        raise ConfigError(f"EngineConfig.{field}={echo(value)}: {echo(name)} is not an interface name (1-15 bytes)",
+                          field=field, value=value)
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
             packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()))
     except (OSError, UnicodeEncodeError) as exc:
-        raise ConfigError(f"EngineConfig.advertise_host={value!r}: interface {name!r} has no IPv4 address on this "
-                          f"host ({exc})", field="advertise_host", value=value) from exc
+        raise ConfigError(f"EngineConfig.{field}={echo(value)}: interface {echo(name)} has no IPv4 address on this "
+                          f"host ({exc})", field=field, value=value) from exc
     return socket.inet_ntoa(packed[20:24])
 
 

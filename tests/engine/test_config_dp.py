@@ -94,3 +94,22 @@ def test_an_unresolved_host_source_is_refused_outside_from_dict():
     with pytest.raises(ConfigError) as info:
         EngineConfig(advertise_host="env:HT_TEST_HOST_IP").validate()
     assert info.value.field == "advertise_host"
+
+
+def test_the_bind_host_from_an_interface_or_a_variable(monkeypatch):
+    """Bind only the transfer network's interface, from the same one dict on every host."""
+    monkeypatch.setenv("HT_TEST_BIND_IP", "127.0.0.1")
+    assert EngineConfig.from_dict({"side_channel_host": "interface:lo"}).side_channel_host == "127.0.0.1"
+    assert EngineConfig.from_dict({"side_channel_host": "env:HT_TEST_BIND_IP"}).side_channel_host == "127.0.0.1"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"side_channel_host": "interface:no-such-if0"})
+    assert info.value.field == "side_channel_host"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(side_channel_host="interface:lo").validate()
+    assert info.value.field == "side_channel_host"
+
+
+def test_an_echoed_source_is_cut():
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"advertise_host": "env:" + "V" * 100_000})
+    assert len(str(info.value)) < 2_000 and info.value.value == "env:" + "V" * 100_000
