@@ -548,7 +548,7 @@ class Producer:
         """
         hold = self._book.get(body.request_id)
         key = (body.request_id, body.nonce)
-        if sender in self._gone:
+        if sender not in self._peers and sender in self._gone:
             self._on_gone_claim(sender, body, hold)
             return
         if hold is not None and hold.nonce == body.nonce:
@@ -635,6 +635,7 @@ class Producer:
                 advance(record, PeerStage.WELCOMED, self._clock())
                 self._peers[sender] = record
                 self._pending.discard(sender)
+                self._gone.discard(sender)
                 record.slot = consumer_slot(sender, body.consumer_rank)
                 self._replace_incarnations(record)
             self.stats.hellos += 1

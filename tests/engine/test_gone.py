@@ -20,3 +20,11 @@ def test_gone_agents_are_remembered_for_one_lease_and_the_oldest_go_first():
     assert gone.get("c1") is records[1]
     now[0] = 11.0
     assert "c1" not in gone and "c2" not in gone and len(gone) == 0
+
+
+def test_an_agent_welcomed_again_is_no_longer_gone():
+    gone = GoneAgents(lambda: 0.0, lease_s=10.0, capacity=4)
+    gone.add(PeerRecord("c0"))
+    gone.discard("c0")
+    gone.discard("never")
+    assert "c0" not in gone and len(gone) == 0

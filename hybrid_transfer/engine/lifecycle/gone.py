@@ -35,6 +35,10 @@ class GoneAgents:
             self._entries.popitem(last=False)
             self.num_evicted += 1
 
+    def discard(self, agent: str) -> None:
+        """The agent was welcomed again (the same process after a broken connection): its claims count again."""
+        self._entries.pop(agent, None)
+
     def get(self, agent: str) -> PeerRecord | None:
         self._prune()
         entry = self._entries.get(agent)
