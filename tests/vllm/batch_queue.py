@@ -128,40 +128,58 @@ def _pending(state) -> dict:
 
 
 def hosted_step(state, key: str, out, fills, step_id: int, writes: list[int]):
-    """rank_host.op_step, with vLLM's zeroing of new blocks and the forward's writes kept for ``apply_pending``."""
+    """rank_host.op_step with the step's GPU writes kept for ``apply_pending``: vLLM's zeroing of new blocks,
+    the prefill forward's fills, the decode forward's page writes."""
     from rank_host import op_step
 
     zero = list(out.new_block_ids_to_zero or ())
-    _pending(state)[(key, step_id)] = (zero, writes)
-    return op_step(state, key, out, fills)
+    _pending(state)[(key, step_id)] = (zero, fills, writes)
+    return op_step(state, key, out, [])
 
 
 def apply_pending(state, key: str, step_id: int) -> None:
-    """The step lands: its zeroing first (it precedes the forward on the stream), then its forward's writes."""
+    """The step lands, in stream order: its zeroing, then its forward's writes."""
     from rank_host import _cache
 
-    zero, writes = _pending(state).pop((key, step_id), ((), ()))
+    from hybrid_transfer.verify import fill_source
+
+    zero, fills, writes = _pending(state).pop((key, step_id), ((), (), ()))
     cache = _cache(state, key)
-    for value, blocks in ((0, zero), (WRITE_BYTE, writes)):
-        for index in range(cache.geometry.num_tensors):
-            raw = cache.raw(index)
-            for b in blocks:
-                raw[b].fill_(value)
+    for index in range(cache.geometry.num_tensors):
+        for b in zero:
+            cache.raw(index)[b].fill_(0)
+    for layout, seed in fills:
+        fill_source(cache, layout, seed)
+    for index in range(cache.geometry.num_tensors):
+        for b in writes:
+            cache.raw(index)[b].fill_(WRITE_BYTE)
 
 
 def bad_bytes(state, key: str, layout, seed: int) -> int:
-    """Bytes of the request's blocks that differ from a correct load (pattern, zeroed attention tail, poison padding)."""
+    """Bytes of the request's blocks where a correct load leaves data (pattern, zeroed attention tail) that differ.
+
+    Bytes a load does not write (padding, the pages' unused parts) are left out: a reused block
+    holds whatever its last user left there, and a load owes nothing to them. They are found as
+    the bytes where two expected images, poisoned with bytes of one parity, disagree.
+    """
     from cache_oracle import _zero_tail
     from rank_host import _cache
 
     from hybrid_transfer.cache import HybridCache
-    from hybrid_transfer.verify import expected_destination_many
+    from hybrid_transfer.verify import POISON_BYTE, expected_destination_many
 
     cache = _cache(state, key)
-    expected = HybridCache.wrap(cache.geometry, expected_destination_many(cache, [(layout, seed)]))
-    _zero_tail(expected, layout)
+    images = []
+    for poison_byte in (POISON_BYTE, POISON_BYTE ^ 0xFE):  # same bit 0: the same pattern
+        image = HybridCache.wrap(cache.geometry, expected_destination_many(cache, [(layout, seed)], poison_byte))
+        _zero_tail(image, layout)
+        images.append(image)
     blocks = sorted({b for ids in layout.block_ids for b in ids})
-    return sum(int((cache.raw(i)[blocks] != expected.raw(i)[blocks]).sum()) for i in range(cache.geometry.num_tensors))
+    bad = 0
+    for i in range(cache.geometry.num_tensors):
+        want, other = images[0].raw(i)[blocks], images[1].raw(i)[blocks]
+        bad += int(((cache.raw(i)[blocks] != want) & (want == other)).sum())
+    return bad
 
 
 def state_dtype(state, key: str) -> str:
