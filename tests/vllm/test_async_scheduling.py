@@ -233,3 +233,82 @@ def test_a_finished_requests_in_flight_step_does_not_write_a_loaded_request(mode
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_decode_aborts_while_a_step_is_in_flight(model_dir, hosts):
+    """40 of 48 decode requests aborted between a step's launch and its landing, in every state a load passes
+    through (waiting for blocks, waiting for its READ, running); the other 8 verify and both engines end empty."""
+    count, num_aborts = 48, 40
+    p = _engine("P", model_dir, hosts["prefill"], prefill=True, max_num_seqs=count, num_blocks=count * 10 + 16,
+                max_num_batched_tokens=1024, extra={"max_held_blocks": count * 10})
+    d = _engine("D", model_dir, hosts["decode"], prefill=False, max_num_seqs=16, num_blocks=16 * 7 + 8)
+    try:
+        _assert_async(p)
+        _assert_async(d)
+        run = _Run(p, d, lazy=True)
+        tags = [f"a{i}" for i in range(count)]
+        _prefill_all(run, tags)
+        requests = {t: d.add(f"d-{t}", N, params=run.handed_off[f"p-{t}"]) for t in tags}
+        aborted: dict[str, RequestStatus] = {}
+        kept = set(tags[::6])  # 8 requests run to the end
+
+        def abort_some() -> bool:
+            assert run.queues["D"].queue, "a decode step is in flight"
+            for tag in tags:
+                if len(aborted) >= num_aborts or len(aborted) > 2 * run.p.num_steps:
+                    break  # spread over the rounds
+                status = d.status(f"d-{tag}")
+                if tag in kept or tag in aborted or status is None:
+                    continue
+                d.abort(f"d-{tag}")
+                aborted[tag] = status
+            return all(f"d-{t}" in run.finished for t in kept) and len(aborted) == num_aborts
+
+        run.round()
+        run.until("every abort and every kept request done", abort_some)
+        assert {RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.RUNNING} <= set(
+            aborted.values()), aborted
+        for tag in kept:
+            assert run.loaded.get(f"d-{tag}") == 0 and requests[tag].num_output_tokens == 2, tag
+        assert all(requests[t].status is RequestStatus.FINISHED_ABORTED for t in aborted)
+        run.until("both engines empty", run.drained)
+        assert p.call("producer")["num_held_requests"] == 0  # every aborted read freed its hold
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_prefill_aborts_across_chunk_offsets_while_a_step_is_in_flight(model_dir, hosts):
+    """12 prefills aborted at chunk offsets 0-3 (32-token chunks) between a step's launch and landing: none hands
+    off or holds anything; two honest ones among them hand off and verify."""
+    p = _engine("P", model_dir, hosts["prefill"], prefill=True, max_num_batched_tokens=32)
+    d = _engine("D", model_dir, hosts["decode"], prefill=False)
+    try:
+        _assert_async(p)
+        _assert_async(d)
+        run = _Run(p, d, lazy=True)
+        targets = {f"c{i}": (i % 4) * 32 for i in range(12)}  # abort once this many prompt tokens were scheduled
+        honest = ["h0", "h1"]
+        for tag in [*targets, *honest]:
+            p.add(f"p-{tag}", N, params={kvp.DO_REMOTE_DECODE: True})
+        offsets: dict[str, int] = {}
+
+        def abort_at_offsets() -> bool:
+            for tag, target in targets.items():
+                request = p.scheduler.requests.get(f"p-{tag}")
+                if tag not in offsets and request is not None and request.num_computed_tokens >= target:
+                    assert run.queues["P"].queue, "a prefill step is in flight"
+                    offsets[tag] = request.num_computed_tokens
+                    p.abort(f"p-{tag}")
+            return len(offsets) == len(targets) and all(f"p-{t}" in run.handed_off for t in honest)
+
+        run.round()
+        run.until("every abort and the honest hand-offs", abort_at_offsets)
+        assert {o // 32 for o in offsets.values()} == {0, 1, 2, 3}  # every chunk offset was hit
+        assert not any(f"p-{t}" in run.handed_off for t in targets)
+        _decode_all(run, honest)
+        run.until("both engines empty", run.drained)
+        assert p.call("producer") == {"num_held_requests": 0, "num_held_blocks": 0}
+    finally:
+        p.shutdown()
+        d.shutdown()
