@@ -14,7 +14,7 @@ single_type_kv_cache_manager.py:
   ours put attention first (``vllm_group_order`` maps one onto the other).
 - ``free`` walks the groups in the same order; each group's blocks go back last-first, and blocks
   without a prefix-cache hash go to the FRONT of the queue (``BlockPool.free_blocks`` prepends them:
-  "LIFO reuse of non-cached blocks"). Older vLLM appended them at the tail instead; 0.33 prepends.
+  "LIFO reuse of non-cached blocks"), not to its tail as issue 20 describes (the trace test tells the two apart).
 
 The churn (``churn_trace``): requests of 0.8-1.0 x the prompt length arrive one at a time into a pool
 holding ``live`` requests at most; when it is full, a live request chosen at random finishes first
