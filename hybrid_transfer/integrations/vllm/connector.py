@@ -111,6 +111,10 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = WorkerSide(engine, rank_config(self._vllm_config, self._extra, tp_rank), engine_id=kvt.engine_id,
                                   incarnation=incarnation_of(self._vllm_config), is_producer=kvt.is_kv_producer,
                                   is_consumer=kvt.is_kv_consumer)
+        if self._worker.producer is not None:  # what an operator checks a port plan against (docs/dep.md)
+            log.info("hybrid-transfer: engine %s (data_parallel_index %d) TP rank %d: side channel bound on %s, "
+                     "advertised as %s", kvt.engine_id, self._vllm_config.parallel_config.data_parallel_index, tp_rank,
+                     self._worker.config.side_channel_host, self._worker.producer.address)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.card() if self._worker is not None else None
