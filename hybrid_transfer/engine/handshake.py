@@ -190,23 +190,26 @@ def read_reply(data: bytes, *, address: str, digest: str) -> wire.HandshakeReply
     """The consumer's reading of a producer rank's reply (a challenge when the producer has a secret).
 
     Raises:
-        HandshakeError: a refusal (with ``differences``), a reply that does not decode, or an
+        HandshakeError: a refusal (with ``differences``, and ``cause`` the producer's word from
+            wire.REFUSAL_CAUSES), or, with cause "protocol", a reply that does not decode or an
             accepted reply whose fingerprint digest is not ours.
     """
     try:
         env, body = wire.decode(data)
     except WireDecodeError as exc:
-        raise HandshakeError(f"undecodable reply: {exc}", address=address) from exc
+        raise HandshakeError(f"undecodable reply: {exc}", address=address, cause="protocol") from exc
     if isinstance(body, wire.AuthChallenge):
         return body
     if isinstance(body, wire.ErrorReply):
-        raise HandshakeError(f"the producer could not read our request: {body.reason}", address=address)
+        raise HandshakeError(f"the producer could not read our request: {body.reason}", address=address,
+                             cause="protocol")
     if not isinstance(body, wire.HandshakeReply):
-        raise HandshakeError(f"expected a handshake reply, got {env.kind.name}", address=address)
+        raise HandshakeError(f"expected a handshake reply, got {env.kind.name}", address=address, cause="protocol")
     if not body.accepted:
+        cause = body.cause if body.cause in wire.REFUSAL_CAUSES else ""
         raise HandshakeError(body.error, address=address, engine_key=(body.engine_id, body.incarnation),
-                             differences=[(d.field, d.consumer, d.producer) for d in body.differences])
+                             differences=[(d.field, d.consumer, d.producer) for d in body.differences], cause=cause)
     if env.fingerprint != digest or body.rank is None or not body.agent_metadata:
         raise HandshakeError(f"accepted reply is inconsistent (fingerprint {env.fingerprint!r}, ours {digest!r})",
-                             address=address)
+                             address=address, cause="protocol")
     return body

@@ -42,9 +42,12 @@ def _exchange(card: ProducerCard, consumer: RankGeometry, **kw):
 
 def _refusal(card: ProducerCard, consumer: RankGeometry) -> HandshakeError:
     data, stats, accepted = _exchange(card, consumer)
-    assert stats.rejected == 1 and accepted == []
+    assert stats.rejected == 1 and accepted == [] and stats.causes == {"incompatible": 1}
+    _, reply = wire.decode(data)
+    assert reply.cause == "incompatible" and reply.error.startswith("refused (incompatible): ")  # issue 19
     with pytest.raises(HandshakeError) as info:
         handshake.read_reply(data, address=ADDRESS, digest=fingerprint_of(consumer).digest())
+    assert info.value.cause == "incompatible"
     return info.value
 
 
@@ -149,5 +152,6 @@ def test_the_consumer_refuses_bad_replies():
     with pytest.raises(HandshakeError, match="inconsistent"):
         handshake.read_reply(card.accepted_reply, address=ADDRESS, digest="0" * 16)
     request = _request(RankGeometry(MODEL, 1, 0))
-    with pytest.raises(HandshakeError, match="expected a handshake reply"):
+    with pytest.raises(HandshakeError, match="expected a handshake reply") as info:
         handshake.read_reply(request, address=ADDRESS, digest=card.digest)
+    assert info.value.cause == "protocol"
