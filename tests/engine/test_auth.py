@@ -242,6 +242,37 @@ def _raw_exchange(address: str, data: bytes) -> object:
         ctx.destroy(linger=0)
 
 
+def test_a_flood_over_the_real_socket_leaves_an_honest_challenge_valid(secret_file):
+    """Row 4 over the producer's ROUTER: 2,000 first requests from one DEALER between the honest steps 2 and 3."""
+    with Producer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file,
+                                                                  max_pending_handshakes=64)) as producer:
+        cn = auth.new_nonce()
+        challenge = _raw_exchange(producer.address, _request(client_nonce=cn))
+        assert isinstance(challenge, wire.AuthChallenge)
+        ctx = zmq.Context()
+        try:
+            flood = ctx.socket(zmq.DEALER)
+            flood.setsockopt(zmq.LINGER, 0)
+            flood.connect(producer.address)
+            rank = describe_rank(GEOMETRY, [1, 2], 16)
+            answered = 0
+            for i in range(2000):
+                flood.send(handshake.make_request(fingerprint_of(GEOMETRY), rank, f"flood-{i}", "flood",
+                                                  client_nonce=auth.new_nonce()))
+                while flood.poll(0):
+                    answered += isinstance(wire.decode(flood.recv())[1], wire.AuthChallenge)
+            while answered < 2000 and flood.poll(int(WAIT_S * 1000)):
+                answered += isinstance(wire.decode(flood.recv())[1], wire.AuthChallenge)
+            assert answered == 2000
+        finally:
+            ctx.destroy(linger=0)
+        right = auth.proof(SECRET, "consumer", cn, challenge.server_nonce, challenge.agent_name, "decode-c0")
+        reply = _raw_exchange(producer.address, _request(client_nonce=cn, server_nonce=challenge.server_nonce,
+                                                         proof=right))
+        assert isinstance(reply, wire.HandshakeReply) and reply.accepted, reply.error
+        assert producer.listener_stats.accepted == 1 and producer.num_pending_handshakes == 1
+
+
 def test_a_forger_that_knows_only_the_port_gets_no_metadata(secret_file, caplog):
     caplog.set_level(logging.DEBUG)
     with Producer(HybridCache.allocate(GEOMETRY, 8), EngineConfig(secret_file=secret_file)) as producer:
