@@ -6,6 +6,8 @@ import argparse
 import re
 import sys
 
+import msgspec
+
 from hybrid_transfer.cli.output import add_json_option, check_json_path, emit_json, stdout_to_stderr, table_stream
 from hybrid_transfer.doctor import (
     DEFAULT_NUM_BYTES,
@@ -13,6 +15,8 @@ from hybrid_transfer.doctor import (
     CheckResult,
     Device,
     DoctorOptions,
+    DoctorReport,
+    Status,
     render,
     run_doctor,
 )
@@ -64,11 +68,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "producer picks a free port at start)")
     parser.add_argument("--bytes", type=parse_size, default=DEFAULT_NUM_BYTES, metavar="SIZE", dest="num_bytes",
                         help="bytes of each loopback READ (one descriptor); K/M/G suffixes are powers of 1024")
+    link = parser.add_argument_group(
+        "between two hosts",
+        "`doctor --serve --host ADDR` on one host and `doctor --peer ADDR:PORT` on the other measure READ bandwidth "
+        "and 8-byte latency between them through NIXL's agent and name the transports UCX picked "
+        "(docs/between-hosts.md#doctor-peer). With a secret set (HYBRID_TRANSFER_SECRET or --secret-file) on the "
+        "server, a peer must prove the same secret")
+    roles = link.add_mutually_exclusive_group()
+    roles.add_argument("--serve", action="store_true",
+                       help="serve one peer on --host (required) and --port (default 5599; 0 picks a free one), "
+                            "then exit; exit 1 when no peer finished within --timeout")
+    roles.add_argument("--peer", metavar="HOST:PORT", default=None, help="READ from a --serve on another host")
+    link.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                      help="--serve: give up after S seconds without a finished peer; --peer: the whole exchange")
+    link.add_argument("--secret-file", default=None, metavar="PATH",
+                      help="read the shared secret from PATH instead of $HYBRID_TRANSFER_SECRET")
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     check_json_path(args)
+    if args.serve or args.peer:
+        return _run_link(args)
     options = DoctorOptions(device=Device(args.device), host=args.host, port=args.port,
                             num_bytes=args.num_bytes).validate()
     progress = _print_progress if sys.stderr.isatty() else None
@@ -77,6 +98,35 @@ def run(args: argparse.Namespace) -> int:
     print(render(report), file=table_stream(args))
     emit_json(args, report.to_builtins())
     return 0 if report.ok else 1
+
+
+def _run_link(args: argparse.Namespace) -> int:
+    from hybrid_transfer.doctor.host import check_nixl_import
+    from hybrid_transfer.doctor.link import LinkOptions, peer, serve
+    from hybrid_transfer.doctor.link_wire import DEFAULT_LINK_PORT, parse_peer_address
+    from hybrid_transfer.engine.auth import load_secret
+
+    secret = load_secret(args.secret_file)
+    if args.serve:
+        options = LinkOptions(host=args.host or "", port=DEFAULT_LINK_PORT if args.port is None else args.port,
+                              timeout_s=args.timeout, num_bytes=args.num_bytes, secret=secret).validate()
+    else:
+        host, port = parse_peer_address(args.peer)
+        options = LinkOptions(host=host, port=port, timeout_s=args.timeout, secret=secret)
+    with stdout_to_stderr():  # UCX and NIXL's Python logger print to stdout
+        nixl = check_nixl_import()
+        if nixl.status is not Status.PASS:
+            report = DoctorReport(checks=(nixl,))
+        else:
+            options = msgspec.structs.replace(options, api_module=nixl.data["api_module"])
+            report = serve(options, on_listen=_print_listening) if args.serve else peer(options)
+    print(render(report), file=table_stream(args))
+    emit_json(args, report.to_builtins())
+    return 0 if report.ok else 1
+
+
+def _print_listening(host: str, port: int) -> None:
+    print(f"doctor --serve: listening on {host}:{port}", file=sys.stderr, flush=True)
 
 
 def _print_progress(result: CheckResult) -> None:

@@ -209,7 +209,7 @@ def _read_logs(log_dir: str) -> str:
 # ---- child processes (the engine's agent and config, msgspec, numpy; torch for VRAM) --------------------------
 
 
-class _Buffer:
+class PatternBuffer:
     """One contiguous buffer of int64 words in DRAM (numpy) or VRAM (torch), with the verification pattern.
 
     It has the attributes NixlAgent.register reads from a cache region (addr, length, device_id, is_cuda).
@@ -288,7 +288,7 @@ def _source(spec: LoopbackSpec, inp: Any, out: Any, deadline: float) -> None:
     """Register a filled buffer, offer its metadata, serve READs until stdin closes (or the deadline)."""
     try:
         agent = _make_agent(spec, SOURCE_NAME)
-        buf = _Buffer(spec.memory, spec.num_bytes, spec.source_device, fill=True)
+        buf = PatternBuffer(spec.memory, spec.num_bytes, spec.source_device, fill=True)
         agent.register([buf])
         offer = SourceOffer(metadata=agent.metadata, addr=buf.addr, device_id=buf.device_id)
     except Exception as exc:  # noqa: BLE001 - the parent must hear why, whatever it was (typed or from torch)
@@ -324,7 +324,7 @@ _OFFER_DECODER = msgspec.msgpack.Decoder(SourceOffer | ChildFailure)
 def _read_loop(spec: LoopbackSpec, inp: Any, deadline: float, failed: LoopbackResult) -> LoopbackResult:
     agent = _make_agent(spec, READER_NAME)
     try:
-        buf = _Buffer(spec.memory, spec.num_bytes, spec.reader_device, fill=False)
+        buf = PatternBuffer(spec.memory, spec.num_bytes, spec.reader_device, fill=False)
         agent.register([buf])
         frame = _recv_frame(inp, deadline)
         if frame is None:
@@ -336,7 +336,7 @@ def _read_loop(spec: LoopbackSpec, inp: Any, deadline: float, failed: LoopbackRe
 
         peer = agent.add_remote(offer.metadata)
         remote = np.array([[offer.addr, spec.num_bytes, offer.device_id]], dtype=np.int64)
-        first_s = _timed_read(agent, peer, buf.descs(), remote, deadline)
+        first_s = timed_read(agent, peer, buf.descs(), remote, deadline)
         if not buf.holds_pattern():
             return msgspec.structs.replace(failed, first_read_s=first_s,
                                            error="the warm-up READ completed but the bytes differ from the source's")
@@ -344,7 +344,7 @@ def _read_loop(spec: LoopbackSpec, inp: Any, deadline: float, failed: LoopbackRe
         for i in range(spec.repeats):
             if i == spec.repeats - 1:
                 buf.clear()  # the last READ must prove itself too
-            samples.append(spec.num_bytes / _timed_read(agent, peer, buf.descs(), remote, deadline) / 1e9)
+            samples.append(spec.num_bytes / timed_read(agent, peer, buf.descs(), remote, deadline) / 1e9)
         verified = buf.holds_pattern()
         return msgspec.structs.replace(
             failed, verified=verified, first_read_s=first_s, gbps_samples=tuple(samples),
@@ -354,7 +354,7 @@ def _read_loop(spec: LoopbackSpec, inp: Any, deadline: float, failed: LoopbackRe
         agent.close()
 
 
-def _timed_read(agent: Any, peer: str, local: Any, remote: Any, deadline: float) -> float:
+def timed_read(agent: Any, peer: str, local: Any, remote: Any, deadline: float) -> float:
     """Post one READ and spin until it is DONE; its wall time in seconds.
 
     Raises:
