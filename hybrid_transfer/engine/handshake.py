@@ -150,9 +150,9 @@ def _authenticate(card: ProducerCard, request: wire.HandshakeRequest, stats: Lis
     if verdict is auth.Verdict.STALE:
         secured.stale += 1
         return None, _refusal(card, stats, "busy", "the challenge expired before its proof arrived (the producer waits "
-                              "pending_handshake_s): handshake again")
+                              "handshake_timeout_s): handshake again")
     if verdict is auth.Verdict.FULL:
-        return None, _refusal(card, stats, "capacity", "too many handshakes accepted within pending_handshake_s: "
+        return None, _refusal(card, stats, "capacity", "too many handshakes accepted within handshake_timeout_s: "
                               "handshake again later")
     secured.unauthenticated += 1
     if verdict is auth.Verdict.REPLAYED:

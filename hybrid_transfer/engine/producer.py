@@ -158,7 +158,7 @@ class Producer:
                                               self.config.max_pending_handshakes)
             self.listener_stats = ListenerStats()
             self.listener_auth = None if self._secret is None else ListenerAuth(
-                self._secret, auth.Challenges(clock, self.config.pending_handshake_s,
+                self._secret, auth.Challenges(clock, self.config.handshake_timeout_s,  # a challenge lives one handshake
                                               self.config.max_pending_handshakes))
             self._card: ProducerCard | None = None
             self._server = HandshakeServer(self.config.side_channel_host, self.config.side_channel_port,
