@@ -35,26 +35,33 @@ def _hostile(honest_like: dict) -> dict[str, object]:
     internal = copy.deepcopy(honest_like)
     internal[kvp.TRUNCATED] = True
     return {
+        # issue 19, table row 2
         "garbage-address": with_ticket(addresses=["garbage"]),
         "huge-tp": with_ticket(tp_size=2**100000),
         "2000-addresses": with_ticket(addresses=[f"tcp://127.0.0.1:{20000 + i}" for i in range(2000)], tp_size=2000),
         "huge-version": with_ticket(version=2**100000),
+        # the plugin's own fields
         "internal-key": internal,
         "flag-not-bool": {**copy.deepcopy(honest_like), kvp.DO_REMOTE_PREFILL: "yes"},
         "not-an-object": ["garbage"],
     }
 
 
+_ROW_2 = ("garbage-address", "huge-tp", "2000-addresses", "huge-version")
+
+
+@pytest.mark.parametrize("fields", ["ticket", "plugin"])
 @pytest.mark.parametrize("policy", ["fail", "recompute"])
-def test_hostile_params_end_by_policy_while_honest_requests_verify(model_dir, hosts, policy):
+def test_hostile_params_end_by_policy_while_honest_requests_verify(model_dir, hosts, policy, fields):
     p = Engine("P", model_dir, [hosts["prefill"]], tp_size=1, block_size=16, kv_role="kv_producer", is_prefill=True)
     d = Engine("D", model_dir, [hosts["decode"]], tp_size=1, block_size=32, kv_role="kv_consumer", is_prefill=False,
                kv_load_failure_policy=policy, num_blocks=128)
     try:
         honest = {f"h{i}": prefill(p, f"p-h{i}", N) for i in range(2)}
-        hostile = _hostile(ticket_params(N - 1))
+        hostile = {tag: params for tag, params in _hostile(ticket_params(N - 1)).items()
+                   if (tag in _ROW_2) == (fields == "ticket")}
         requests = {}
-        order = ["h0", *list(hostile)[:4], "h1", *list(hostile)[4:]]
+        order = ["h0", *list(hostile)[:2], "h1", *list(hostile)[2:]]
         for tag in order:  # interleaved: hostile and honest requests share decode steps
             if tag in honest:
                 requests[tag] = d.add(f"d-{tag}", N, params=honest[tag])
@@ -131,3 +138,45 @@ def test_hand_offs_beyond_max_held_blocks_get_no_ticket(model_dir, hosts):
         drain((p,), "the unread hold ends at its lease")
     finally:
         p.shutdown()
+
+
+def _worker_orders(state, key):
+    """Run in the decode rank's host: one step's orders with a ticket the scheduler would have refused and a read
+    whose consumer call raises an untyped ZeroMQ error. Returns what the worker reports; raises if a hook raised."""
+    from unittest import mock
+
+    import msgspec
+    import zmq
+
+    from hybrid_transfer.engine.ticket_params import ticket_from_params
+    from hybrid_transfer.integrations.vllm.metadata import HybridConnectorMetadata, ReadOrder
+
+    worker = state.ranks[key].connector._worker
+    good = ticket_from_params(ticket_params(N - 1)[kvp.TICKET])
+    local = ((1, 2, 3, 4), (5,), (6,), (7,))
+    reads = {"d-garbage": ReadOrder(msgspec.structs.replace(good, addresses=("garbage",)), local, N - 1),
+             "d-untyped": ReadOrder(msgspec.structs.replace(good, request_id="p-untyped"), local, N - 1),
+             "d-outside": ReadOrder(msgspec.structs.replace(good, request_id="p-outside"),
+                                    ((1, 2, 3, 10**6), (5,), (6,), (7,)), N - 1)}
+    real = worker.consumer.start_read
+
+    def start_read(ticket, *args, **kwargs):
+        if ticket.request_id == "p-untyped":
+            raise zmq.ZMQError(zmq.EINVAL, "injected")
+        return real(ticket, *args, **kwargs)
+
+    with mock.patch.object(worker.consumer, "start_read", start_read):
+        worker.start(HybridConnectorMetadata(reads=reads))
+    _, recving, failed = worker.results()
+    return recving, failed, worker.consumer.num_active
+
+
+def test_the_worker_checks_each_order_again_and_no_hook_raises(model_dir, hosts):
+    """Orders that reach a worker past the scheduler's check (a bug, a future path) fail their request only."""
+    d = Engine("D", model_dir, [hosts["decode"]], tp_size=1, block_size=32, kv_role="kv_consumer", is_prefill=False)
+    try:
+        recving, failed, num_active = d.call("call", _worker_orders)
+        assert recving == failed == {"d-garbage", "d-untyped", "d-outside"}
+        assert num_active == 0  # nothing started: no socket, connect or pin for any of them
+    finally:
+        d.shutdown()
