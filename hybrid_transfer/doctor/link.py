@@ -34,6 +34,7 @@ from hybrid_transfer.errors import ConfigError, HybridTransferError
 log = logging.getLogger(__name__)
 
 LATENCY_BYTES = 8
+MAX_LINK_BYTES = 4 << 30  # the buffer each side pins; a peer refuses a server that asks for more
 STEP_TIMEOUT_S = 30.0  # one exchange step; the whole serve is bounded by LinkOptions.timeout_s
 MAX_REFUSALS = 64  # refused connections logged one by one; past this, counted only
 SECRET_FIX = ("give both hosts the same secret: export HYBRID_TRANSFER_SECRET=... (16+ bytes, e.g. "
@@ -60,9 +61,9 @@ class LinkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ConfigError(f"port={self.port} must be in [0, 65535]", field="port", value=self.port)
         if not self.timeout_s > 0:
             raise ConfigError(f"timeout={self.timeout_s} must be above 0 seconds", field="timeout", value=self.timeout_s)
-        if self.num_bytes < LATENCY_BYTES or self.num_bytes % 8:
-            raise ConfigError(f"num_bytes={self.num_bytes} must be a multiple of 8", field="num_bytes",
-                              value=self.num_bytes)
+        if not LATENCY_BYTES <= self.num_bytes <= MAX_LINK_BYTES or self.num_bytes % 8:
+            raise ConfigError(f"num_bytes={self.num_bytes} must be a multiple of 8 in [{LATENCY_BYTES}, "
+                              f"{MAX_LINK_BYTES}]", field="num_bytes", value=self.num_bytes)
         if self.repeats < 1 or self.latency_repeats < 1:
             raise ConfigError(f"repeats={self.repeats}, latency_repeats={self.latency_repeats} must be at least 1",
                               field="repeats", value=self.repeats)
@@ -208,10 +209,8 @@ def _peer_checks(options: LinkOptions) -> list[CheckResult]:
             if not isinstance(hello, w.Hello) or hello.version != w.LINK_VERSION:
                 raise ConfigError(f"{where} is not a doctor --serve of link version {w.LINK_VERSION}", field="peer",
                                   value=where)
+            msgspec.structs.replace(options, num_bytes=hello.num_bytes).validate()  # a hostile size pins nothing
             cn = w.new_nonce()
-            agent = _agent(name, options.api_module)
-            buf = PatternBuffer(Memory.DRAM, hello.num_bytes, 0, fill=False)
-            agent.register([buf])
             w.send(sock, w.Join(version=w.LINK_VERSION, peer_agent=name, cn=cn,
                                 proof=w.prove(options.secret, w.PEER_ROLE, cn, hello.sn, hello.server_agent, name)))
             offer = w.recv(sock, deadline, "the server's Offer", name)
@@ -226,6 +225,9 @@ def _peer_checks(options: LinkOptions) -> list[CheckResult]:
                 return [CheckResult(name="peer_link", status=Status.FAIL, fix=SECRET_FIX,
                                     detail=f"{where} did not prove the shared secret (it holds "
                                            f"{'another' if offer.proof else 'none'})")]
+            agent = _agent(name, options.api_module)  # only now: a refused peer pins nothing
+            buf = PatternBuffer(Memory.DRAM, hello.num_bytes, 0, fill=False)
+            agent.register([buf])
             link = CheckResult(name="peer_link", status=Status.PASS,
                                detail=f"{where}: agent {hello.server_agent}, "
                                       f"secret {'proven both ways' if options.secret is not None else 'none'}",
