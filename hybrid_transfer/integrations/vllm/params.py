@@ -5,7 +5,8 @@ JavaScript round integers above 2**53, so the ticket's nonce and incarnation tra
 docs/vllm.md documents each field.
 
 The dict arrives in the request body of vLLM's OpenAI server, so any client decides what it
-holds: ``check_request_params`` judges it whole before the connector acts on any of it.
+holds: ``check_request_params`` judges it whole before the connector acts on any of it
+(docs/vllm.md#untrusted-params).
 """
 
 from __future__ import annotations
