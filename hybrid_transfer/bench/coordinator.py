@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from hybrid_transfer.bench import messages as m
-from hybrid_transfer.bench import sizing
+from hybrid_transfer.bench import sizing, transport
 from hybrid_transfer.bench.spec import BenchSpec, Device, Point, Sweep, Variant
 from hybrid_transfer.bench.stats import (
     ConsumerRun,
@@ -244,8 +244,9 @@ class Coordinator:
         s = self.sized = sized
         self.sized_ceiling = sizing.ceiling_sizes(sized)
         ctx = mp.get_context("spawn")
-        self.producers = [RankProcess(ctx, f"prefill {r}") for r in range(s.prefill_tp)]
-        self.consumers = [RankProcess(ctx, f"decode {r}") for r in range(s.decode_tp)]
+        with transport.rank_environment(s.transport):  # UCX reads it when each rank creates its agent
+            self.producers = [RankProcess(ctx, f"prefill {r}") for r in range(s.prefill_tp)]
+            self.consumers = [RankProcess(ctx, f"decode {r}") for r in range(s.decode_tp)]
         cores, num_ranks = os.cpu_count() or 1, s.prefill_tp + s.decode_tp
         threads = max(1, cores // num_ranks)
         poll_sleep_s = 0.0 if cores > num_ranks else CONTENDED_POLL_SLEEP_S
@@ -457,4 +458,5 @@ def _host_info(spec: BenchSpec) -> dict[str, Any]:
         info["nixl"] = None
     if spec.device is Device.CUDA:
         info[CUDA_IPC_VAR] = os.environ.get(CUDA_IPC_VAR)
+    info["ucx"] = transport.describe(spec.transport)
     return info

@@ -82,6 +82,7 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # How block ids are drawn: "fragmentation" (verify.make_requests with --fragmentation) or "vllm-pool"
     # (vLLM 0.33's shared block pool after a churn of requests, bench/vllm_pool.py)
     allocation: str = "fragmentation"
+    transport: str = "shm"  # bench/transport.py: shm (UCX's choice on one host) or tcp (UCX limited to TCP)
 
     ALLOCATIONS: ClassVar[tuple[str, ...]] = ("fragmentation", "vllm-pool")
 
@@ -130,6 +131,10 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                      "--sweep fragmentation")
             if min(p.tokens for p in self.points) < 1:
                 _bad("tokens", min(p.tokens for p in self.points), "must be >= 1 with --allocation vllm-pool")
+        if self.transport not in ("shm", "tcp"):  # bench/transport.py TRANSPORTS
+            _bad("transport", self.transport, "must be one of ['shm', 'tcp']")
+        if self.transport == "tcp" and self.device is not Device.CPU:
+            _bad("transport", self.transport, "is measured on CPU only (GPU memory over TCP needs cuda_copy too)")
         if self.sweep is Sweep.NONE and self.sweep_values:
             _bad("sweep_values", self.sweep_values, "need --sweep fragmentation or --sweep tokens")
         return self

@@ -130,6 +130,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="how block ids are drawn on each side: fragmentation (--fragmentation's share of "
                              "random ids) or vllm-pool (vLLM 0.33's shared block pool after a churn of requests of "
                              "0.8-1.0 x --tokens, twice --requests live; docs/benchmarks.md#vllm-pool)")
+    parser.add_argument("--transport", choices=["shm", "tcp"], default=d.transport,
+                        help="shm: UCX's own choice on one host (shared memory); tcp: every rank's UCX limited to "
+                             "TCP on the first non-loopback interface, the path between hosts without RDMA "
+                             "(CPU only; docs/between-hosts.md)")
     parser.set_defaults(handler=run)
 
 
@@ -144,7 +148,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         sweep_values=tuple(args.sweep_values or ()), backend_threads=args.backend_threads,
         split_batch_size=args.split_batch_size,
         post_thread=None if args.post_thread is None else args.post_thread == "on",
-        kv_layout=args.kv_layout,
+        kv_layout=args.kv_layout, transport=args.transport,
     ).validate()
 
 
