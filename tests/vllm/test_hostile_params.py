@@ -99,6 +99,9 @@ def test_hostile_params_end_by_policy_while_honest_requests_verify(model_dir, ho
                 assert scheduled[tag] >= N and requests[tag].num_output_tokens == 2, tag  # the whole prompt, here
         assert counts["loads_failed" if policy == "fail" else "loads_recomputed"] == len(hostile)
         drain((p, d))
+        for engine in (p, d):  # the connector's per-request tables emptied with vLLM's
+            left = engine.connector._scheduler.describe()
+            assert not any(left[k] for k in ("loads", "truncated", "held", "reading", "reads", "fails")), left
     finally:
         p.shutdown()
         d.shutdown()
