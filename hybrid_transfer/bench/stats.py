@@ -120,6 +120,10 @@ class VariantStats:
     settle_ms: float | None = None
     consumer_cpu_ms_per_request: float = 0.0  # decode processes' CPU seconds / (decode rank, request) pairs
     producer_cpu_ms_per_request: float = 0.0  # prefill processes' CPU seconds / (prefill rank, request) pairs
+    # Which way each decode rank read (auto's choice shows here): per rank, in rank order, the source reads
+    # through staging per request (0: every source direct); staged_rounds: the same for every round, in round order.
+    staged_per_rank: tuple[float, ...] = ()
+    staged_rounds: tuple[tuple[float, ...], ...] = ()
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -220,6 +224,8 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
         consumer_cpu_ms_per_request=sum(r.cpu_s for r in runs) / len(timings) * 1e3,
         producer_cpu_ms_per_request=(sum(s.cpu_s for s in serves) / (num_requests * len(serves)) * 1e3
                                      if serves else 0.0),
+        staged_per_rank=tuple(sum(t.packed_sources for t in r.timings) / len(r.timings) if r.timings else 0.0
+                              for r in sorted(runs, key=lambda r: r.rank)),
     )
 
 
@@ -232,7 +238,8 @@ def median_round(rounds: Sequence[VariantStats]) -> VariantStats:
         raise ConfigError("no rounds to choose from", field="rounds", value=0)
     ranked = sorted(rounds, key=lambda st: st.gbps)
     chosen = ranked[(len(ranked) - 1) // 2]
-    return replace(chosen, gbps_rounds=tuple(st.gbps for st in rounds))
+    return replace(chosen, gbps_rounds=tuple(st.gbps for st in rounds),
+                   staged_rounds=tuple(st.staged_per_rank for st in rounds))
 
 
 def _notify_lags_ms(per_request: dict[str, list[RequestTiming]], serves: Sequence[ProducerServe]) -> list[float]:

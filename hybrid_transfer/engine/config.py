@@ -51,8 +51,9 @@ ranges per source; consumers read those and scatter them. When a request does no
 (the producer's at hold(), the consumer's when the READ is posted), that source is read directly,
 counted, never delayed: waiting for space would tie one request's latency to other requests'
 completions (and, on the producer, cannot happen inside hold()), while direct reads are always
-correct. ``auto`` chooses per source with plan/cost.py's model, calibrated at consumer start
-(engine/pack/calibrate.py) unless ``cost`` gives the parameters.
+correct. ``auto`` chooses once per request shape, for every source of the plan, with plan/cost.py's model:
+its GPU or host preset by the cache's memory unless ``cost`` gives the parameters (or ``calibrate`` asks
+for a measurement at consumer start, engine/pack/calibrate.py; docs/planner.md#auto says why that is off).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     copy_per_byte_s: float = 1.0 / 2.13e12
     per_piece_copy_s: float = 2e-8
     copy_launch_s: float = 1e-5
+    pack_fixed_s: float = 1.5e-3
 
 
 class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -142,8 +144,11 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     staging_bytes: each rank's registered staging pool (pack and auto only). A producer rank holds
         a staged copy of its bytes of every held request until it is freed; a consumer rank needs
         the bytes of its reads in flight. What does not fit is read directly (see above).
-    cost: auto mode's cost parameters; None: calibrate at consumer start (``calibrate``), else the defaults.
-    calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s).
+    cost: auto mode's cost parameters; None: plan/cost.py's preset for the cache's memory (GPU or host),
+        or a calibration when ``calibrate`` is on.
+    calibrate: in auto mode without ``cost``, time loopback READs and gathers at consumer start (~0.1-0.5 s)
+        and plan with those figures. Off by default: each rank measures its own, noisy figures, so ranks
+        and restarts chose differently for one shape (docs/planner.md#auto).
     prep: how descriptors reach NIXL; see the measured figures in this module's docstring.
     early_completion_grace_s: how long a producer rank keeps a completion that arrives before the
         request's ``hold()`` (a serving engine holds at its next step; engine/lifecycle/early.py). Completions
@@ -203,7 +208,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     prep: PrepStrategy = PrepStrategy.DIRECT
     staging_bytes: int = 256 << 20
     cost: CostParams | None = None
-    calibrate: bool = True
+    calibrate: bool = False
     early_completion_grace_s: float = 30.0
     early_completion_limit: int = 4096
     max_pending_handshakes: int = 1024

@@ -1,15 +1,21 @@
-"""Pack plans per request shape: everything of a source's pack plan that the block ids do not change.
+"""Pack plans per segment structure: everything of a source's pack plan that the block ids do not change.
 
 A source's staging (plan/stage_layout.py) orders atoms by head, group, tensor, half and kernel
 block, never by block id, so where each byte a consumer reads sits in the staging (its read ranges,
 the order and lengths of its scatter pieces) depends only on the request's shape. Only the atoms'
 source addresses and the scatter pieces' local addresses follow the ids: one gather and one
 multiply-add each, plus joining the pieces the ids make contiguous (docs/planner.md#per-request-cost).
+
+Token counts with the same segment structure (``pieces.last_cut``) differ only in the last segment's
+length: its atoms and pieces grow by a fixed number of bytes per token and everything staged after
+them moves by a multiple of that, so one recipe serves them all as (values at a reference count,
+whole bytes per token): ``structure_recipe``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -47,18 +53,101 @@ class PackRecipe:
     scatter_const: np.ndarray
     scatter_length: np.ndarray
     local_page: int
+    num_tokens: int = 0  # the count these arrays are for
+    slope: PackSlope | None = None  # per-token change of the arrays that follow the count (None: one count only)
 
-    def pack(self, direct: SourcePlan, flat_local: np.ndarray, flat_remote: np.ndarray) -> PackSourcePlan:
-        """The pack plan of one request of this shape (``flat_*``: its int64 id lists concatenated)."""
+    def pack(self, direct: SourcePlan, flat_local: np.ndarray, flat_remote: np.ndarray,
+             num_tokens: int | None = None) -> PackSourcePlan:
+        """The pack plan of one request of this shape (``flat_*``: its int64 id lists concatenated).
+
+        ``num_tokens``: the request's count, any of the structure's when the recipe has a slope.
+        """
+        stage, src, length = self.stage, self.scatter_src, self.scatter_length
+        read = (self.read_remote, self.read_local, self.read_length)
+        d = 0 if num_tokens is None or self.slope is None else num_tokens - self.num_tokens
+        if d:
+            k = self.slope
+            stage = StageShape(stage.sel, stage.const, _at(stage.length, k.stage_length, d),
+                               _at(stage.offset, k.stage_offset, d), stage.page_bytes)
+            read = tuple(_at(a, b, d) for a, b in zip(read, (k.read_remote, k.read_local, k.read_length), strict=True))
+            src, length = _at(src, k.scatter_src, d), _at(length, k.scatter_length, d)
         dst = flat_local[self.scatter_sel] * self.local_page + self.scatter_const
-        src, length = self.scatter_src, self.scatter_length
         if dst.shape[0] > 1:
             brk = dst[1:] != dst[:-1] + length[:-1]
             if not brk.all():
                 starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
                 src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
-        read = StagedRead(self.read_remote, self.read_local, self.read_length, src, dst, length)
-        return PackSourcePlan(direct, self.stage.layout(flat_remote), read)
+        return PackSourcePlan(direct, stage.layout(flat_remote), StagedRead(*read, src, dst, length))
+
+    def with_slope(self, other: PackRecipe) -> PackRecipe | None:
+        """This recipe keyed by structure, given ``other``, the same source's recipe at another count of it.
+
+        None unless every array has the same shape in both, the id parts (atoms' and pieces' positions
+        and constants) are equal, and every other array changes by whole bytes per token.
+        """
+        dn = other.num_tokens - self.num_tokens
+        if dn == 0 or self.local_page != other.local_page or self.stage.page_bytes != other.stage.page_bytes:
+            return None
+        fixed = ((self.stage.sel, other.stage.sel), (self.stage.const, other.stage.const),
+                 (self.scatter_sel, other.scatter_sel), (self.scatter_const, other.scatter_const))
+        if any(a.shape != b.shape or not np.array_equal(a, b) for a, b in fixed):
+            return None
+        slopes = []
+        for name in _SLOPED:
+            a, b = _field(self, name), _field(other, name)
+            if a.shape != b.shape:
+                return None
+            step, rem = np.divmod(b - a, dn)
+            if rem.any():
+                return None
+            slopes.append(_frozen(step))
+        return PackRecipe(self.stage, self.read_remote, self.read_local, self.read_length, self.scatter_src,
+                          self.scatter_sel, self.scatter_const, self.scatter_length, self.local_page,
+                          self.num_tokens, PackSlope(*slopes))
+
+
+@dataclass(frozen=True)
+class PackSlope:
+    """Bytes per token by which a PackRecipe's count-dependent arrays change (names as the recipe's)."""
+
+    stage_length: np.ndarray
+    stage_offset: np.ndarray
+    read_remote: np.ndarray
+    read_local: np.ndarray
+    read_length: np.ndarray
+    scatter_src: np.ndarray
+    scatter_length: np.ndarray
+
+
+_SLOPED = tuple(f.name for f in fields(PackSlope))
+
+
+def _field(rec: PackRecipe, name: str) -> np.ndarray:
+    return getattr(rec.stage, name[len("stage_"):]) if name.startswith("stage_") else getattr(rec, name)
+
+
+def _at(base: np.ndarray, slope: np.ndarray, d: int) -> np.ndarray:
+    """``base + slope * d``, read-only like the recipe's own arrays."""
+    out = slope * d
+    out += base
+    out.flags.writeable = False
+    return out
+
+
+def structure_recipe(build: Callable[[int], PackRecipe], cut: int, end: int) -> PackRecipe | None:
+    """One source's recipe for every count in (cut, end], the counts of one segment structure.
+
+    ``build(n)`` is the recipe at count n. Built at two counts inside the structure (its first, and
+    the one before its last, where a full last kernel block could join pieces no other count joins),
+    the arrays give the slope; None when they do not (the caller keys on the exact count instead).
+    Between the two the layouts cannot differ in kind: a gap in the staging is bytes of atoms a reader
+    skips, never zero, and a join the ids do not decide holds for one count at most, which the
+    request's own join (``pack``) redoes.
+    """
+    first = cut + 1
+    second = end - 1 if end - 1 > first else end
+    one = build(first)
+    return one if second == first else one.with_slope(build(second))
 
 
 def pack_recipe(rec: Recipe, index: int, tpl: SourceTemplate, local_base: np.ndarray, local_page: int,
@@ -106,4 +195,5 @@ def pack_recipe(rec: Recipe, index: int, tpl: SourceTemplate, local_base: np.nda
                       read_remote=_frozen(read_remote), read_local=_frozen(read_local),
                       read_length=_frozen(read_length), scatter_src=_frozen(src[starts]),
                       scatter_sel=_frozen(sel[starts]), scatter_const=_frozen(const[starts]),
-                      scatter_length=_frozen(np.add.reduceat(plen, starts)), local_page=local_page)
+                      scatter_length=_frozen(np.add.reduceat(plen, starts)), local_page=local_page,
+                      num_tokens=num_tokens)

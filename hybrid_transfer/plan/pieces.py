@@ -80,6 +80,14 @@ def last_cut(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> int:
     return max((num_tokens - 1) // kb_l * kb_l, (num_tokens - 1) // kb_r * kb_r)
 
 
+def structure_end(cut: int, local: RankGeometry, remote: RankGeometry) -> int:
+    """The last token end whose ``last_cut`` is ``cut``: the next kernel-block boundary of either side.
+
+    The counts of one segment structure are (cut, structure_end(cut)].
+    """
+    return min((cut // kb + 1) * kb for kb in (local.kernel_block_size, remote.kernel_block_size))
+
+
 def naive_token_end(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> int:
     """Where naive mode stops: the end of the request's last logical page on the side whose pages end first.
 

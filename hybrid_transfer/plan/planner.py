@@ -17,8 +17,16 @@ from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
-from hybrid_transfer.plan.pack import PackRecipe, pack_recipe
-from hybrid_transfer.plan.pieces import Recipe, SegmentFrame, last_cut, naive_token_end, recipe, segment_frame
+from hybrid_transfer.plan.pack import PackRecipe, pack_recipe, structure_recipe
+from hybrid_transfer.plan.pieces import (
+    Recipe,
+    SegmentFrame,
+    last_cut,
+    naive_token_end,
+    recipe,
+    segment_frame,
+    structure_end,
+)
 from hybrid_transfer.plan.rank import RankDescriptor, geometry_from_descriptor
 from hybrid_transfer.plan.stage_layout import map_rows, stage_layout
 from hybrid_transfer.plan.templates import (
@@ -42,6 +50,7 @@ from hybrid_transfer.plan.validate import (
 _FRAME_CACHE_SIZE = 64
 _SEEN_CACHE_SIZE = 1024
 _LAYOUT_FIELDS = ("conv_layout", "ssm_order", "kv_layout")
+_NOT_AFFINE = object()  # a structure whose pack recipe is not one per structure: keyed on the exact count
 # Every dtype a descriptor carries must be equal on both sides (an item size read with the other side's dtype is
 # wrong bytes, not an error): found by name, so a dtype field added to RankDescriptor is checked without an edit.
 _DTYPE_FIELDS = tuple(f for f in RankDescriptor.__struct_fields__ if f.endswith("_dtype"))
@@ -107,8 +116,9 @@ class Planner:
         self._frames: dict[int, SegmentFrame] = {}
         # Per segment structure (last cut, mode, list lengths); a token end patches the last segment's lengths.
         self._recipes: dict[tuple, Recipe] = {}
-        self._packs: dict[tuple, PackRecipe] = {}  # per request shape and source index
-        self._pack_seen: dict[tuple, None] = {}  # shapes planned once in pack mode (insertion-ordered)
+        self._packs: dict[tuple, PackRecipe | object] = {}  # per segment structure (or exact count) and source
+        self._pack_seen: dict[tuple, None] = {}  # structures planned once in pack mode (insertion-ordered)
+        self._auto: dict[tuple, bool] = {}  # auto's choice per segment structure and cost model: pack or not
         self._kv, self._state = stack_templates(self.templates)
         # [tensor, source index]: each source's base address of each shared tensor.
         self._remote_base = np.stack([t.tensor_addrs for t in self.templates], axis=1)
@@ -241,9 +251,25 @@ class Planner:
 
     def _pack(self, rec: Recipe, index: int, num_tokens: int, local_lens: tuple[int, ...],
               remote_lens: tuple[int, ...]) -> PackRecipe | None:
-        """The shape's pack recipe from its second request on; None the first time (the caller maps the
-        direct rows, ``to_pack``, which costs less than building the recipe when the shape never recurs)."""
-        key = (num_tokens, local_lens, remote_lens, index)
+        """The structure's pack recipe from its second request on; None the first time (the caller maps the
+        direct rows, ``to_pack``, which costs less than building the recipe when the structure never recurs).
+
+        Keyed like the direct Recipe, on the segment structure (``structure_recipe``); a structure whose
+        arrays do not follow the count by whole bytes per token is keyed on the exact count instead."""
+        cut = last_cut(num_tokens, self.local, self.remote)
+        tpl, stride = self.templates[index], self.local.kv_token_stride
+
+        def build(n: int) -> PackRecipe:
+            return pack_recipe(rec.with_tail((n - cut) * stride), index, tpl, self._local_base, self._local_page,
+                               self._remote_page, remote_lens, n)
+
+        pack = self._cached_pack((cut, local_lens, remote_lens, index), lambda: structure_recipe(
+            build, cut, structure_end(cut, self.local, self.remote)) or _NOT_AFFINE)
+        if pack is _NOT_AFFINE:
+            pack = self._cached_pack(("exact", num_tokens, local_lens, remote_lens, index), lambda: build(num_tokens))
+        return pack
+
+    def _cached_pack(self, key: tuple, build) -> PackRecipe | object | None:
         pack = self._packs.get(key)
         if pack is None:
             if key not in self._pack_seen:
@@ -253,9 +279,41 @@ class Planner:
                 return None
             if len(self._packs) >= _FRAME_CACHE_SIZE:
                 self._packs.pop(next(iter(self._packs)))
-            pack = self._packs[key] = pack_recipe(rec, index, self.templates[index], self._local_base,
-                                                  self._local_page, self._remote_page, remote_lens, num_tokens)
+            pack = self._packs[key] = build()
         return pack
+
+    def _auto_packs(self, num_tokens: int, local_lens: tuple[int, ...], remote_lens: tuple[int, ...],
+                    cost: CostModel) -> bool:
+        """Auto's choice for every request of this segment structure: pack all sources, or none.
+
+        Decided once per (structure, cost model) on the structure's fragmented direct plan: its last
+        count, block ids two apart so that no two blocks merge (the count a churned pool gives), never
+        on one request's ids. So a shape and a geometry get one mode on every rank and in every round
+        (docs/planner.md#auto)."""
+        cut = last_cut(num_tokens, self.local, self.remote)
+        key = (cut, local_lens, remote_lens, cost)
+        got = self._auto.get(key)
+        if got is None:
+            end = structure_end(cut, self.local, self.remote)
+            counts, nbytes = self.fragmented_counts(end, local_lens, remote_lens)
+            if len(self._auto) >= _SEEN_CACHE_SIZE:
+                self._auto.pop(next(iter(self._auto)))
+            got = self._auto[key] = cost.choose_all(counts, nbytes) is PlanMode.PACK
+        return got
+
+    def fragmented_counts(self, num_tokens: int, local_lens: tuple[int, ...],
+                          remote_lens: tuple[int, ...]) -> tuple[list[int], list[int]]:
+        """(descriptors, bytes) per source read of a coalesced plan of this shape whose ids never adjoin."""
+        rec = self._recipe(num_tokens, False, local_lens, remote_lens)
+        spread_l = np.arange(sum(local_lens), dtype=np.int64) * 2
+        spread_r = np.arange(sum(remote_lens), dtype=np.int64) * 2
+        pieces = rec.pieces(spread_l, spread_r, self._local_page, self._remote_page)
+        rel_l, _, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, None)
+        src = rel_l >> SOURCE_SHIFT
+        tensors = self._local_base.shape[0]
+        counts = np.bincount(src, minlength=len(self.templates)) * tensors
+        nbytes = np.bincount(src, weights=rel_len, minlength=len(self.templates)) * tensors
+        return ([int(c) for c in counts if c], [int(b) for c, b in zip(counts, nbytes, strict=True) if c])
 
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
                        flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
@@ -283,16 +341,18 @@ class Planner:
         length = rel_len[None, :].repeat(loc.shape[0], axis=0)
         out: list[SourcePlan | PackSourcePlan] = []
         ld = self.local_desc.device_id
+        packs = mode is PlanMode.PACK or (mode is PlanMode.AUTO and self._auto_packs(num_tokens, local_lens,
+                                                                                     remote_lens, cost))
         for i, tpl in enumerate(self.templates):
             a, b = bounds[i], bounds[i + 1]
             if a == b:
                 continue
             cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
             direct = SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id)
-            if mode is PlanMode.PACK or (mode is PlanMode.AUTO and cost.choose(direct.num_descriptors, direct.total_bytes) is PlanMode.PACK):
+            if packs:
                 pack = self._pack(rec, i, num_tokens, local_lens, remote_lens)
                 out.append(to_pack(direct, tpl, remote_ids, num_tokens) if pack is None
-                           else pack.pack(direct, flat_l, flat_r))
+                           else pack.pack(direct, flat_l, flat_r, num_tokens))
             else:
                 out.append(direct)
         return tuple(out)

@@ -133,14 +133,13 @@ def stop_log_capture(state, logger_name: str) -> list[str]:
 def auto_choices(state, key, ticket_bytes, local_block_ids) -> int:
     """How many sources the consumer's cost model sends through staging for this request (planned here)."""
     from hybrid_transfer.engine import decode_ticket
-    from hybrid_transfer.plan.types import PlanMode
+    from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
 
     consumer = state.ranks[key].engine
     t = decode_ticket(ticket_bytes)
     link = consumer._peers.ensure(t.engine_key, t.addresses).resolve()
-    plan = link.planner.plan(local_block_ids, t.block_ids, t.num_tokens, PlanMode.COALESCED)
-    cost = consumer.cost_model
-    return sum(cost.choose(s.num_descriptors, s.total_bytes) is PlanMode.PACK for s in plan.sources)
+    plan = link.planner.plan(local_block_ids, t.block_ids, t.num_tokens, PlanMode.AUTO, cost=consumer.cost_model)
+    return sum(isinstance(s, PackSourcePlan) for s in plan.sources)
 
 
 def start_engine(workers, specs, config, device: str, is_producer: bool) -> EngineRanks:

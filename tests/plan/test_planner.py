@@ -16,7 +16,8 @@ from hybrid_transfer.layout import (
     load_preset,
     model_from_config,
 )
-from hybrid_transfer.plan.pieces import naive_token_end
+from hybrid_transfer.plan.pack import PackRecipe
+from hybrid_transfer.plan.pieces import last_cut, naive_token_end
 from hybrid_transfer.plan.planner import Planner, to_pack
 from hybrid_transfer.plan.rank import RankDescriptor
 from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
@@ -488,8 +489,14 @@ def test_a_reused_planners_pack_plans_equal_a_fresh_ones_and_the_reference(layou
         assert got.meta == fresh.plan(local, remote, n, PlanMode.PACK).meta
     shapes = {(n, tuple(map(len, local)), tuple(map(len, remote))) for local, remote, n in requests}
     assert len(shapes) == 6
-    # Every shape's second and later plans came from its recipe, one per source read.
-    assert len(reused._packs) == sum(len(reused.plan(*r, PlanMode.PACK).sources) for r in requests[1:])
+    # Every structure's second and later plans came from its recipe, one per source read: 1 and 17 tokens share
+    # one (the same last cut and list lengths), and every structure here follows the count (no exact-count key).
+    cut = {n: last_cut(n, reused.local, reused.remote) for _, _, n in requests}
+    structures = {(cut[n], tuple(map(len, local)), tuple(map(len, remote))): (local, remote, n)
+                  for local, remote, n in requests}
+    assert len(structures) == 5
+    assert len(reused._packs) == sum(len(reused.plan(*r, PlanMode.PACK).sources) for r in structures.values())
+    assert all(isinstance(r, PackRecipe) for r in reused._packs.values())
 
 
 def test_pack_recipe_arrays_are_shared_read_only():

@@ -1,11 +1,18 @@
-"""A short calibration of auto mode's cost model on this rank: READ and copy costs, measured.
+"""Auto mode's cost model at consumer start: the preset for the cache's memory, given figures, or a calibration.
+
+By default a consumer plans ``auto`` with plan/cost.py's preset for its memory (GPU or host), so
+every rank and every restart chooses the same way for a shape (docs/planner.md#auto). With
+``EngineConfig.calibrate`` it measures its own figures instead, as below.
+
+A short calibration of auto mode's cost model on this rank: READ and copy costs, measured.
 
 Loopback READs (the agent reads its own staging pool: NIXL lets an agent name itself as the peer)
 of one small descriptor, of one large one and of the same bytes as many small ones with gaps
 between them (so nothing merges) give the per-byte and the per-descriptor cost; gathers from the
 cache into staging of one piece and of many give the copy costs. Loopback is not the cross-process path (on CPU hosts it skips the
 shared-memory transport), so an embedder that knows better passes ``EngineConfig.cost``.
-About 0.1-0.5 s on a CPU host; the time and figures are logged.
+About 0.1-0.5 s on a CPU host; the time and figures are logged. It cannot see pack's fixed share
+(a Staged notification from another process), which it takes from the preset.
 """
 
 from __future__ import annotations
@@ -17,11 +24,11 @@ import time
 import numpy as np
 
 from hybrid_transfer.engine.agent import NixlAgent, XferState
-from hybrid_transfer.engine.config import CostParams
+from hybrid_transfer.engine.config import CostParams, EngineConfig
 from hybrid_transfer.engine.pack.gather_scatter import Copier
 from hybrid_transfer.engine.pack.staging import StagingPool
 from hybrid_transfer.errors import ConfigError, EngineError
-from hybrid_transfer.plan.cost import CostModel
+from hybrid_transfer.plan.cost import CostModel, preset_for
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +43,12 @@ def cost_model(params: CostParams) -> CostModel:
     """The planner's cost model with these parameters (the gather is off the critical path)."""
     return CostModel(per_descriptor_s=params.per_descriptor_s, per_byte_s=params.per_byte_s,
                      copy_per_byte_s=params.copy_per_byte_s, per_piece_copy_s=params.per_piece_copy_s,
-                     copy_launch_s=params.copy_launch_s, count_gather=False)
+                     copy_launch_s=params.copy_launch_s, pack_fixed_s=params.pack_fixed_s, count_gather=False)
+
+
+def initial_cost(config: EngineConfig, device_memory: bool) -> CostModel:
+    """The model a consumer starts with: ``config.cost`` when given, else the preset for its memory."""
+    return cost_model(config.cost) if config.cost is not None else preset_for(device_memory)
 
 
 def calibrate(agent: NixlAgent, pool: StagingPool, copier: Copier, *, probe_bytes: int = PROBE_BYTES,
@@ -74,8 +86,9 @@ def calibrate(agent: NixlAgent, pool: StagingPool, copier: Copier, *, probe_byte
         for piece in (src, dst):
             if piece is not None:
                 pool.free(piece)
+    fixed = preset_for(pool.device.type == "cuda").pack_fixed_s
     params = CostParams(per_descriptor_s=per_desc, per_byte_s=per_byte, copy_per_byte_s=copy_byte,
-                        per_piece_copy_s=copy_piece, copy_launch_s=launch)
+                        per_piece_copy_s=copy_piece, copy_launch_s=launch, pack_fixed_s=fixed)
     log.info("calibrated in %.3f s: %s", time.perf_counter() - started, params)
     return params
 

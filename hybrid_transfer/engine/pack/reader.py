@@ -40,9 +40,9 @@ import numpy as np
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.agent import NixlAgent, XferHandle, XferState
-from hybrid_transfer.engine.config import CostParams, EngineConfig
+from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.lifecycle.state import ReadState
-from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model
+from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model, initial_cost
 from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier, CopyTicket
 from hybrid_transfer.engine.pack.stager import STAGING_MODES
 from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
@@ -109,7 +109,7 @@ class PackReader:
         self._digest = digest
         self.enabled = config.mode in STAGING_MODES
         self.stats = PackStats()
-        self.cost = cost_model(config.cost or CostParams())
+        self.cost = initial_cost(config, cache.device.type == "cuda")  # docs/planner.md#auto
         self.pool: StagingPool | None = None
         self._tracks: dict[str, _Track] = {}
         self._stages: dict[str, bool] = {}  # producer agent -> whether it stages (its Welcome)
