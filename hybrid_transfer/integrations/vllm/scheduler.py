@@ -34,7 +34,6 @@ from vllm.v1.request import RequestStatus
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.tickets import EngineCard, issue_ticket
 from hybrid_transfer.engine.wire import Ticket
-from hybrid_transfer.errors import HybridTransferError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.groups import GroupMap
 from hybrid_transfer.integrations.vllm.metadata import DeclineOrder, FailOrder, HybridConnectorMetadata, ReadOrder
@@ -110,7 +109,7 @@ class SchedulerSide:
         params = request.kv_transfer_params
         try:
             judged = kvp.check_request_params(params, internal_ok=rid in self._truncated)
-        except HybridTransferError as exc:
+        except Exception as exc:  # noqa: BLE001 - typed by contract; anything else must not reach add_request
             self._refuse(request, exc)
             return
         if judged.role is kvp.Role.LOAD:
@@ -118,7 +117,7 @@ class SchedulerSide:
         elif judged.role is kvp.Role.HAND_OFF:
             self._cut(request, params)
 
-    def _refuse(self, request: Request, exc: HybridTransferError) -> None:
+    def _refuse(self, request: Request, exc: Exception) -> None:
         """Params that failed the check: a load follows the failure policy, anything else runs as a plain request."""
         rid = request.request_id
         reason = _short(exc)
