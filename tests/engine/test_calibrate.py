@@ -18,7 +18,6 @@ from hybrid_transfer.engine.pack.gather_scatter import Arena, Copier
 from hybrid_transfer.engine.pack.staging import StagingPool
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import RankGeometry, model_from_config
-from hybrid_transfer.plan.cost import HOST_COST
 from hybrid_transfer.plan.planner import Planner
 from hybrid_transfer.plan.scenario import blocks_needed, make_block_ids
 from hybrid_transfer.plan.types import PlanMode
@@ -48,6 +47,8 @@ def test_calibration_measures_positive_finite_costs_and_frees_its_probes():
 
 
 def test_an_auto_consumer_starts_with_its_memorys_preset_given_costs_or_on_request_a_calibration():
+    from hybrid_transfer.plan.cost import HOST_COST
+
     cache = HybridCache.allocate(RankGeometry(MODEL, 1, 0), 64)
     given = CostParams(per_descriptor_s=1.0)
     with Consumer(cache, EngineConfig(mode=PlanMode.AUTO, staging_bytes=1 << 20, cost=given)) as c:
