@@ -114,12 +114,13 @@ def _run_link(args: argparse.Namespace) -> int:
         host, port = parse_peer_address(args.peer)
         options = LinkOptions(host=host, port=port, timeout_s=args.timeout, secret=secret)
     with stdout_to_stderr():  # UCX and NIXL's Python logger print to stdout
-        nixl = check_nixl_import()
-        if nixl.status is not Status.PASS:
+        if args.peer:
+            report = peer(options)  # imports NIXL only once the server accepted it
+        elif (nixl := check_nixl_import()).status is not Status.PASS:
             report = DoctorReport(checks=(nixl,))
         else:
             options = msgspec.structs.replace(options, api_module=nixl.data["api_module"])
-            report = serve(options, on_listen=_print_listening) if args.serve else peer(options)
+            report = serve(options, on_listen=_print_listening)
     print(render(report), file=table_stream(args))
     emit_json(args, report.to_builtins())
     return 0 if report.ok else 1

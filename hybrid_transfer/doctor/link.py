@@ -50,7 +50,7 @@ class LinkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_bytes: int = 64 << 20  # --serve: the buffer a peer READs
     repeats: int = 5
     latency_repeats: int = 50
-    api_module: str = "nixl._api"
+    api_module: str | None = None  # NIXL module, e.g. "nixl_cu13._api"; None: resolved when an agent is made
     secret: bytes | None = None
 
     def validate(self) -> LinkOptions:
@@ -70,10 +70,22 @@ class LinkOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self
 
 
-def _agent(name: str, api_module: str):
+def _agent(name: str, api_module: str | None):
+    """The engine's agent (NIXL is imported here, not before: a refused peer never loads it).
+
+    Raises:
+        EngineError: NIXL does not import (the nixl check's detail), or the agent cannot be made.
+    """
+    from hybrid_transfer.doctor.host import check_nixl_import
     from hybrid_transfer.engine.agent import NixlAgent, quiet_nixl_logging
     from hybrid_transfer.engine.config import EngineConfig
+    from hybrid_transfer.errors import EngineError
 
+    if api_module is None:
+        nixl = check_nixl_import()
+        if nixl.status is not Status.PASS:
+            raise EngineError(f"{nixl.detail}; fix: {nixl.fix}", operation="import nixl", agent=name)
+        api_module = nixl.data["api_module"]
     quiet_nixl_logging(api_module=api_module)
     return NixlAgent(name, EngineConfig(), api_module=api_module)
 
