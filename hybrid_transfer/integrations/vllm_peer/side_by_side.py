@@ -204,10 +204,13 @@ def _prefill_wave(p, keys: list[str], num_prompt_tokens: int, deadline: float) -
 def _run_connector(connector: str, spec: PeerSpec, shape: EngineShape, decode: _DecodeProcess) -> ConnectorResult:
     from hybrid_transfer.integrations.vllm_peer.engine import PeerEngine
 
+    t0 = time.monotonic()
     decode.send("create", connector, shape, spec.seed)
     p = PeerEngine(connector, "kv_producer", shape, seed=spec.seed)
     try:
+        log.info("%s: prefill engine built in %.1f s", connector, time.monotonic() - t0)
         decode.recv(CREATE_TIMEOUT_S)
+        log.info("%s: decode engine built after %.1f s", connector, time.monotonic() - t0)
         result = ConnectorResult(connector, spec.concurrency)
         for w in range(spec.warmup + spec.waves):
             keys = [f"w{w}-r{i}" for i in range(spec.concurrency)]
@@ -228,6 +231,7 @@ def _run_connector(connector: str, spec: PeerSpec, shape: EngineShape, decode: _
                 p.step()
             for k, (_, ids) in prefilled.items():
                 result.source_ids[k] = ids
+            log.info("%s: wave %d done after %.1f s", connector, w, time.monotonic() - t0)
             if w >= spec.warmup:
                 result.waves.append(figures)
                 result.producer_hooks_s.append(sum(p.times.start_s) + sum(p.times.results_s) - hooks0)
