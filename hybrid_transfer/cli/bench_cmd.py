@@ -134,6 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="shm: UCX's own choice on one host (shared memory); tcp: every rank's UCX limited to "
                              "TCP on the first non-loopback interface, the path between hosts without RDMA "
                              "(CPU only; docs/between-hosts.md)")
+    parser.add_argument("--peer", choices=["vllm-nixl"], default=None,
+                        help="also run vLLM 0.33's own NixlConnector beside ours over the same caches and requests "
+                             "(P1 -> D1, CPU; --concurrency requests per decode step); needs the vLLM environment's "
+                             "python (docs/benchmarks.md#vllm-nixl)")
     parser.set_defaults(handler=run)
 
 
@@ -153,6 +157,10 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.peer is not None:
+        from hybrid_transfer.cli.peer_run import run_peer
+
+        return run_peer(args)
     from hybrid_transfer.bench.coordinator import Coordinator
     from hybrid_transfer.bench.plot import write_plot
     from hybrid_transfer.bench.report import plain_table, print_table, to_json
