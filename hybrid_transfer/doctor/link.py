@@ -183,11 +183,20 @@ def peer(options: LinkOptions) -> DoctorReport:
     if not options.host:
         raise ConfigError("--peer needs HOST:PORT", field="peer", value=options.host)
     with tempfile.TemporaryDirectory(prefix="ht-doctor-peer-") as log_dir:
-        # UCX reads these once, when this process creates its first UCX context (the agent below).
-        os.environ["UCX_PROTO_INFO"] = "y"
-        os.environ["UCX_LOG_FILE"] = os.path.join(log_dir, "ucx-peer.%p.log")
-        checks = _peer_checks(options)
-        _flush_c_streams()  # UCX writes its log through a buffered C stream, flushed at exit otherwise
+        # UCX reads these once, when this process creates its first UCX context (the agent below); they are
+        # restored after, so nothing later in this process logs into a folder that is gone.
+        env = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(log_dir, "ucx-peer.%p.log")}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            checks = _peer_checks(options)
+            _flush_c_streams()  # UCX writes its log through a buffered C stream, flushed at exit otherwise
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         ucx_log = "".join(p.read_text(errors="replace") for p in sorted(Path(log_dir).glob("*.log")))
     link, *measured = checks
     if measured:

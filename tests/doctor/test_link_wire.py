@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import time
@@ -64,3 +65,35 @@ def test_peer_addresses():
     assert w.parse_peer_address("tcp://[::1]:7") == ("::1", 7)
     with pytest.raises(ConfigError, match="'h:0'"):
         w.parse_peer_address("h:0")
+
+
+def test_a_peer_refuses_a_server_that_asks_it_to_pin_too_much_before_loading_nixl(monkeypatch):
+    """A hostile or broken server's size is checked before the peer makes an agent or pins a byte."""
+    monkeypatch.delenv("UCX_LOG_FILE", raising=False)
+    monkeypatch.delenv("UCX_PROTO_INFO", raising=False)
+    import sys
+    import threading
+
+    from hybrid_transfer.doctor.link import MAX_LINK_BYTES, LinkOptions, peer
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    hello = w.Hello(version=w.LINK_VERSION, server_agent="srv", sn=b"n" * 32, secret_required=False,
+                    num_bytes=MAX_LINK_BYTES * 2)
+
+    def serve_once():
+        conn, _ = listener.accept()
+        with conn:
+            w.send(conn, hello)
+            conn.recv(1)  # until the peer hangs up
+
+    server = threading.Thread(target=serve_once, daemon=True)
+    server.start()
+    loaded = "nixl" in sys.modules
+    report = peer(LinkOptions(host="127.0.0.1", port=listener.getsockname()[1], timeout_s=10))
+    server.join(10)
+    listener.close()
+    (link,) = report.checks
+    assert link.name == "peer_link" and link.status.value == "fail"
+    assert f"num_bytes={MAX_LINK_BYTES * 2}" in link.detail
+    assert ("nixl" in sys.modules) == loaded  # no agent was made
+    assert "UCX_LOG_FILE" not in os.environ and "UCX_PROTO_INFO" not in os.environ  # restored
