@@ -127,7 +127,8 @@ def _run_link(args: argparse.Namespace) -> int:
 
 
 def _print_listening(host: str, port: int) -> None:
-    print(f"doctor --serve: listening on {host}:{port}", file=sys.stderr, flush=True)
+    shown = f"[{host}]" if ":" in host else host  # what --peer takes on the other host
+    print(f"doctor --serve: listening on {shown}:{port}", file=sys.stderr, flush=True)
 
 
 def _print_progress(result: CheckResult) -> None:

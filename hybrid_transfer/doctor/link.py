@@ -98,7 +98,8 @@ def serve(options: LinkOptions, on_listen: Callable[[str, int], None] | None = N
     options.validate()
     deadline = time.monotonic() + options.timeout_s
     name = f"ht-doctor-serve-{secrets.token_hex(3)}"
-    listener = socket.create_server((options.host, options.port), reuse_port=False)
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    listener = socket.create_server((options.host.strip("[]"), options.port), family=family)
     agent = None
     refused = 0
     try:
