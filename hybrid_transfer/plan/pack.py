@@ -62,15 +62,9 @@ class PackRecipe:
 
         ``num_tokens``: the request's count, any of the structure's when the recipe has a slope.
         """
-        stage, src, length = self.stage, self.scatter_src, self.scatter_length
-        read = (self.read_remote, self.read_local, self.read_length)
-        d = 0 if num_tokens is None or self.slope is None else num_tokens - self.num_tokens
-        if d:
-            k = self.slope
-            stage = StageShape(stage.sel, stage.const, _at(stage.length, k.stage_length, d),
-                               _at(stage.offset, k.stage_offset, d), stage.page_bytes)
-            read = tuple(_at(a, b, d) for a, b in zip(read, (k.read_remote, k.read_local, k.read_length), strict=True))
-            src, length = _at(src, k.scatter_src, d), _at(length, k.scatter_length, d)
+        rec = self if num_tokens is None else self.at(num_tokens)
+        stage, src, length = rec.stage, rec.scatter_src, rec.scatter_length
+        read = (rec.read_remote, rec.read_local, rec.read_length)
         dst = flat_local[self.scatter_sel] * self.local_page + self.scatter_const
         if dst.shape[0] > 1:
             brk = dst[1:] != dst[:-1] + length[:-1]
@@ -78,6 +72,19 @@ class PackRecipe:
                 starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
                 src, dst, length = src[starts], dst[starts], np.add.reduceat(length, starts)
         return PackSourcePlan(direct, stage.layout(flat_remote), StagedRead(*read, src, dst, length))
+
+    def at(self, num_tokens: int) -> PackRecipe:
+        """This recipe at another count of its structure (itself at its own count, or without a slope)."""
+        d = num_tokens - self.num_tokens
+        if not d or self.slope is None:
+            return self
+        k, st = self.slope, self.stage
+        return PackRecipe(StageShape(st.sel, st.const, _at(st.length, k.stage_length, d),
+                                     _at(st.offset, k.stage_offset, d), st.page_bytes),
+                          _at(self.read_remote, k.read_remote, d), _at(self.read_local, k.read_local, d),
+                          _at(self.read_length, k.read_length, d), _at(self.scatter_src, k.scatter_src, d),
+                          self.scatter_sel, self.scatter_const, _at(self.scatter_length, k.scatter_length, d),
+                          self.local_page, num_tokens, k)
 
     def with_slope(self, other: PackRecipe) -> PackRecipe | None:
         """This recipe keyed by structure, given ``other``, the same source's recipe at another count of it.

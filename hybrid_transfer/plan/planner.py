@@ -118,6 +118,7 @@ class Planner:
         self._recipes: dict[tuple, Recipe] = {}
         self._packs: dict[tuple, PackRecipe | object] = {}  # per segment structure (or exact count) and source
         self._pack_seen: dict[tuple, None] = {}  # structures planned once in pack mode (insertion-ordered)
+        self._pack_last: dict[tuple, PackRecipe] = {}  # a structure's recipe at the last count planned
         self._auto: dict[tuple, bool] = {}  # auto's choice per segment structure and cost model: pack or not
         self._kv, self._state = stack_templates(self.templates)
         # [tensor, source index]: each source's base address of each shared tensor.
@@ -263,11 +264,21 @@ class Planner:
             return pack_recipe(rec.with_tail((n - cut) * stride), index, tpl, self._local_base, self._local_page,
                                self._remote_page, remote_lens, n)
 
-        pack = self._cached_pack((cut, local_lens, remote_lens, index), lambda: structure_recipe(
+        key = (cut, local_lens, remote_lens, index)
+        pack = self._cached_pack(key, lambda: structure_recipe(
             build, cut, structure_end(cut, self.local, self.remote)) or _NOT_AFFINE)
         if pack is _NOT_AFFINE:
-            pack = self._cached_pack(("exact", num_tokens, local_lens, remote_lens, index), lambda: build(num_tokens))
-        return pack
+            return self._cached_pack(("exact", num_tokens, local_lens, remote_lens, index), lambda: build(num_tokens))
+        if pack is None or pack.num_tokens == num_tokens:
+            return pack
+        # The structure's arrays at its last count only: a repeated count reuses them, and counts that vary
+        # (serving) do not keep a copy each (fresh memory per plan cost more than the copy saves).
+        at = self._pack_last.get(key)
+        if at is None or at.num_tokens != num_tokens:
+            if at is None and len(self._pack_last) >= _FRAME_CACHE_SIZE:
+                self._pack_last.pop(next(iter(self._pack_last)))
+            at = self._pack_last[key] = pack.at(num_tokens)
+        return at
 
     def _cached_pack(self, key: tuple, build) -> PackRecipe | object | None:
         pack = self._packs.get(key)
