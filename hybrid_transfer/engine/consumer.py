@@ -183,7 +183,7 @@ class Consumer:
 
     @property
     def cost_model(self) -> CostModel:
-        """The cost model this rank plans ``auto`` with (calibrated at start unless the config gives one)."""
+        """The cost model this rank plans ``auto`` with (its memory's preset unless the config gives or calibrates one)."""
         return self._pack.cost
 
     # ---- handshakes ---------------------------------------------------------------
