@@ -184,6 +184,20 @@ def split_rows(result: BenchResult) -> list[list[str]]:
     return rows
 
 
+def staged_lines(result: BenchResult) -> list[str]:
+    """Per point, for auto and pack: each round's staged source reads per request on every decode rank (auto's
+    choice per rank and round: 0 is direct; docs/planner.md#auto)."""
+    s, lines = result.spec, []
+    for pr in result.points:
+        where = f" at {s.sweep.value} {getattr(pr.point, s.sweep.value)}" if s.sweep is not Sweep.NONE else ""
+        for name in ("auto", "pack"):
+            st = pr.stats.get(name)
+            if st is not None and st.staged_rounds:
+                per_round = " | ".join(f"r{i}: " + " ".join(f"{x:g}" for x in r) for i, r in enumerate(st.staged_rounds))
+                lines.append(f"{name}{where}: staged sources per request by decode rank: {per_round}")
+    return lines
+
+
 def _plain(header: list[str], rows: list[list[str]]) -> list[str]:
     rows = [header] + rows
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
@@ -201,7 +215,7 @@ def plain_table(result: BenchResult) -> str:
     lead = [result.spec.sweep.value] if result.spec.sweep is not Sweep.NONE else []
     lines = [headline(result), ""] + _plain(lead + list(COLUMNS), table_rows(result))
     lines += ["", NOTES, "", SPLIT_TITLE, ""] + _plain(lead + list(SPLIT_COLUMNS), split_rows(result))
-    lines += ["", SPLIT_NOTES] + [f"warning: {w}" for w in result.warnings]
+    lines += ["", SPLIT_NOTES] + staged_lines(result) + [f"warning: {w}" for w in result.warnings]
     return "\n".join(lines)
 
 
@@ -211,6 +225,8 @@ def print_table(result: BenchResult, console) -> None:
     console.print(NOTES, style="dim")
     console.print(_rich_table(result, SPLIT_TITLE, SPLIT_COLUMNS, split_rows(result)))
     console.print(SPLIT_NOTES, style="dim")
+    for line in staged_lines(result):
+        console.print(line)
     for w in result.warnings:
         console.print(f"warning: {w}", style="yellow")
 

@@ -124,3 +124,13 @@ def test_time_split_table_and_json_carry_the_split_per_variant():
     point = to_json(result)["points"][0]
     assert (point["read_ms"], point["settle_ms"]) == (0.5, 0.3)
     assert point["consumer_cpu_ms_per_request"] == 0.7 and point["naive_read_ms"] is None
+
+
+def test_auto_runs_print_each_rounds_staged_sources_per_decode_rank():
+    """Issue 20: the text output names auto's choice per decode rank and round (0: read directly)."""
+    spec = BenchSpec(mode=PlanMode.AUTO)
+    result = _result(spec, [Point(2048, 0.0)])
+    auto = dataclasses.replace(result.points[0].stats["auto"], staged_rounds=((1.0, 1.0), (0.0, 1.0)))
+    result.points[0].stats["auto"] = auto
+    lines = [line for line in plain_table(result).splitlines() if "staged sources" in line]
+    assert lines == ["auto: staged sources per request by decode rank: r0: 1 1 | r1: 0 1"]

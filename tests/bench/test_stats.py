@@ -131,6 +131,17 @@ def test_pack_figures_come_from_packed_requests_only():
     assert plain.gather_ms is None and plain.packed_sources == 0
 
 
+def test_staged_sources_per_rank_and_round_show_autos_choice():
+    """Issue 20: auto's mode per decode rank and round is in the figures (0: that rank read every source directly)."""
+    def run(rank, staged):
+        return ConsumerRun(rank, tuple(RequestTiming(f"q{k}", 0.0, 0.001, 0.5, 0.5, 100, 1, packed_sources=n)
+                                       for k, n in enumerate(staged)), 0.0)
+
+    rounds = [summarize("auto", [run(1, (1, 1)), run(0, (0, 0))]), summarize("auto", [run(0, (1, 1)), run(1, (1, 1))])]
+    assert rounds[0].staged_per_rank == (0.0, 1.0)  # rank order, per request
+    assert median_round(rounds).staged_rounds == ((0.0, 1.0), (1.0, 1.0))
+
+
 def test_time_split_adds_up_to_each_requests_latency():
     # post 1 ms; READs seen done at 5 ms / 9 ms after the post; DONE at 6 / 12 ms (claims, scatter in between).
     a = RequestTiming("a", 1.0, 1.001, 1.006, 1.006, 100, 3, t_read_done=1.005)
