@@ -175,11 +175,15 @@ class _DecodeProcess:
 
 
 def engine_shape(spec: PeerSpec) -> EngineShape:
-    """The shape both engines of both connectors share; the pool holds one wave (the fence frees it whole)."""
+    """The shape both engines of both connectors share; the pool holds one wave (the fence frees it whole).
+
+    A wave's blocks stay under our producer's default cap on held blocks (90% of the cache), so both
+    connectors run on their defaults.
+    """
     probe = EngineShape(spec.preset, spec.tokens, num_blocks=16, max_num_seqs=spec.concurrency,
                         num_threads=spec.num_threads)
     _, kvc = build_configs(VLLM_NIXL, "kv_both", probe)
-    num_blocks = blocks_per_request(kvc, spec.tokens) * spec.concurrency + 2
+    num_blocks = -(-blocks_per_request(kvc, spec.tokens) * spec.concurrency * 10 // 9) + 2
     return EngineShape(spec.preset, spec.tokens, num_blocks=num_blocks, max_num_seqs=spec.concurrency,
                        num_threads=spec.num_threads)
 
