@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import netns
 import pytest
 from tiny_model import TINY_CONFIG
 
@@ -19,3 +20,14 @@ def tiny_config() -> dict:
 @pytest.fixture(scope="session")
 def tiny_model() -> ModelSpec:
     return model_from_config(TINY_CONFIG, name="tiny")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``netns`` run only inside their namespace, their wrappers only outside (tests/netns.py)."""
+    netns.deselect(config, items)
+
+
+@pytest.fixture
+def netns_run(request: pytest.FixtureRequest):
+    """Runs the requesting file's ``netns`` tests in a network namespace of their own (tests/netns.py)."""
+    return netns.runner(request)

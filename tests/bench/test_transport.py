@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from netns import interface
 
 from hybrid_transfer.bench import transport
 from hybrid_transfer.bench.spec import BenchSpec, Device
@@ -39,9 +40,13 @@ def test_a_bad_transport_is_refused_naming_it(fields, match):
     assert err.value.field == "transport"
 
 
+@pytest.mark.netns
 def test_bench_transport_tcp_moves_verified_bytes_over_tcp_on_the_interface(tmp_path):
-    """Each variant's READs (chosen mode, naive, ceiling) go over tcp/<interface>, read back from UCX's tables."""
-    iface = first_network_interface()
+    """Each variant's READs (chosen mode, naive, ceiling) go over tcp/<interface>, read back from UCX's tables.
+
+    In its own network namespace (tests/netns.py), where the bench's first interface is an end of a veth pair.
+    """
+    iface = interface()
     out = tmp_path / "bench.json"
     env = {**os.environ, "UCX_PROTO_INFO": "y", "UCX_LOG_FILE": str(tmp_path / "ucx.%p.log")}
     proc = subprocess.run([sys.executable, "-m", "hybrid_transfer", "bench", "--transport", "tcp", "--tokens", "64",
@@ -56,3 +61,7 @@ def test_bench_transport_tcp_moves_verified_bytes_over_tcp_on_the_interface(tmp_
     reads = [t for t in parse_proto_tables(lines) if t.is_read and t.scope != "self"]
     assert reads, "UCX printed no READ table in the rank processes"
     assert sorted({row.config for t in reads for row in t.rows}) == [f"tcp/{iface.name}"]
+
+
+def test_the_tcp_bench_runs_in_a_network_namespace_of_its_own(netns_run):
+    netns_run()

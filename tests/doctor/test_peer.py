@@ -11,9 +11,10 @@ import sys
 import time
 
 import pytest
+from netns import interface
 
 from hybrid_transfer.cli import main
-from hybrid_transfer.engine.tcp_path import first_network_interface, tcp_only_env
+from hybrid_transfer.engine.tcp_path import tcp_only_env
 
 SECRET = "doctor-peer-test-secret-0123456789"
 LISTEN_WAIT_S = 60.0  # the server prints its port once its agent and buffer exist (NIXL import included)
@@ -89,9 +90,13 @@ def test_serve_refuses_a_peer_without_the_secret_then_measures_one_with_it_over_
     assert served["status"] == "pass" and served["data"]["refused"] == 2 and served["data"]["verified"] is True
 
 
+@pytest.mark.netns
 def test_peer_names_tcp_when_ucx_is_limited_to_the_interface_the_server_binds():
-    """The between-hosts case on one host: UCX may use only TCP on the first network interface, on both sides."""
-    iface = first_network_interface()
+    """The between-hosts case on one host: UCX may use only TCP on the first network interface, on both sides.
+
+    In its own network namespace (tests/netns.py): that interface is an end of a veth pair there.
+    """
+    iface = interface()
     env = _env(None, **tcp_only_env(iface.name))
     server = _Server(iface.ipv4, env)
     try:
@@ -122,3 +127,7 @@ def test_a_bad_peer_address_is_one_line_naming_it(capsys, bad):
     assert main(["doctor", "--peer", bad]) == 2
     err = capsys.readouterr().err
     assert repr(bad) in err and err.count("\n") == 1
+
+
+def test_the_tcp_limited_pair_runs_in_a_network_namespace_of_its_own(netns_run):
+    netns_run()

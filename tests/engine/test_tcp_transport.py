@@ -2,7 +2,9 @@
 
 On one host UCX picks shared memory (cma) for a READ between two processes; here every rank process
 starts with ``UCX_TLS=tcp`` and ``UCX_NET_DEVICES`` = the first non-loopback interface, so the bytes go
-through the TCP stack on that interface (docs/between-hosts.md). Producers bind the side channel to the
+through the TCP stack on that interface (docs/between-hosts.md). The transfers are marked ``netns``:
+they run in a network namespace the wrapper test at the end makes for them (tests/netns.py), where
+that interface is an end of a veth pair and no byte leaves the namespace. Producers bind the side channel to the
 wildcard and advertise the interface's IPv4 address; consumers allow only that address. With no such
 interface the module fails (it never skips). UCX prints its protocol tables (``UCX_PROTO_INFO=y``) into
 one log per process, and the last test stops the processes and reads them back: every READ a rank posted went over tcp on that
@@ -17,12 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from harness import TINY, Cluster, RankSpec, hold_everywhere, start_consumers, start_producers
+from netns import interface
 from pack_ops import run_pack
 from test_transfer import _layouts
 
 from hybrid_transfer.doctor.ucx_tables import parse_proto_tables
 from hybrid_transfer.engine import EngineConfig
-from hybrid_transfer.engine.tcp_path import first_network_interface, tcp_only_env
+from hybrid_transfer.engine.tcp_path import tcp_only_env
 from hybrid_transfer.layout import CacheOptions, KVLayout
 from hybrid_transfer.plan.types import PlanMode
 
@@ -34,7 +37,7 @@ TOKENS = [37, 64, 1, 0, 100]  # partial last blocks, a whole-block count, one to
 @pytest.fixture(scope="module")
 def tcp():
     """(cluster, interface, UCX log folder): rank processes whose UCX may use TCP on one interface only."""
-    iface = first_network_interface()  # ConfigError, naming what it saw, where there is none: a failure
+    iface = interface()  # the namespace's veth end; ConfigError, naming what it saw, where there is none
     log_dir = Path(os.environ.get("HT_TCP_LOG_DIR") or _fresh_dir())
     env = {**tcp_only_env(iface.name), "UCX_PROTO_INFO": "y",
            "UCX_LOG_FILE": str(log_dir / "ucx.%p.log")}  # UCX expands %p to the process id
@@ -98,18 +101,21 @@ def _move(cluster, iface, prefill_tp: int, decode_tp: int, opts: CacheOptions | 
         consumers.close()
 
 
+@pytest.mark.netns
 def test_interleaved_layout_fans_out_1_to_2_over_tcp_with_the_interface_address_advertised(tcp):
     cluster, iface, _ = tcp
     addresses = _move(cluster, iface, 1, 2, None, PlanMode.COALESCED)
     assert [a.rsplit(":", 1)[0] for a in addresses] == [f"tcp://{iface.ipv4}"]
 
 
+@pytest.mark.netns
 def test_split_layout_fans_in_2_to_1_over_tcp(tcp):
     cluster, iface, _ = tcp
     addresses = _move(cluster, iface, 2, 1, CacheOptions(kv_layout=KVLayout.SPLIT, block_size=32), PlanMode.NAIVE)
     assert all(a.startswith(f"tcp://{iface.ipv4}:") for a in addresses) and len(set(addresses)) == 2
 
 
+@pytest.mark.netns
 def test_pack_mode_stages_and_verifies_over_tcp(tcp):
     cluster, iface, _ = tcp
     p_config, c_config = _configs(iface, PlanMode.PACK, staging_bytes=1 << 20)
@@ -120,6 +126,7 @@ def test_pack_mode_stages_and_verifies_over_tcp(tcp):
     assert p_status[0]["stats"]["staged"] == sum(n > 0 for n in TOKENS)
 
 
+@pytest.mark.netns
 def test_every_read_went_over_tcp_on_the_interface(tcp, record_property):
     """After the transfers above: UCX's tables for every READ between two processes name tcp/<interface> only.
 
@@ -137,3 +144,8 @@ def test_every_read_went_over_tcp_on_the_interface(tcp, record_property):
     print(f"UCX READ transports over {iface.name} ({iface.ipv4}): {transports}; lanes: {lanes}")
     assert transports == ["tcp"], lanes
     assert all(f"tcp/{iface.name}" in lane for lane in lanes), lanes
+
+
+def test_the_tcp_transfers_run_in_a_network_namespace_of_their_own(netns_run):
+    """The tests above, in a fresh namespace with a veth pair: bytes and UCX's tables checked there."""
+    netns_run()
