@@ -1,4 +1,8 @@
-"""engine/tcp_path.py: the interface UCX's TCP path uses, and a loud failure where there is none."""
+"""engine/tcp_path.py: the interface UCX's TCP path uses, and a loud failure where there is none.
+
+These read the interface list (an ioctl on an unbound UDP socket) and send nothing, so they run on the
+host; the transfers over the interface run in a network namespace of their own (tests/netns.py).
+"""
 
 from __future__ import annotations
 
