@@ -395,7 +395,7 @@ class Peers:
         delay = BACKOFF_MAX_S if link.cause == "incompatible" else BACKOFF_FIRST_S * 2 ** min(link.failures - 1, 16)
         link.retry_at = self._clock() + min(delay, BACKOFF_MAX_S)
         self.stats.failures += 1
-        if link.key is None and error.engine_key is not None:
+        if link.key is None and error.engine_key is not None and error.engine_key[0]:  # (a pre-auth refusal names none)
             # A refusal names its engine: later tickets for it fail at once (until the backoff is over).
             existing = self._links.get(error.engine_key)
             if (existing is not None and existing.state is LinkState.FAILED) or (
