@@ -124,7 +124,8 @@ def ticket(value: object) -> wire.Ticket:
     try:
         checked = wire.check_ticket(value)
     except WireDecodeError as exc:
-        raise TicketError(shown(str(exc), 600), request_id=rid) from exc
+        text = str(exc)
+        raise TicketError(text if len(text) <= 600 else f"{text[:600]}...", request_id=rid) from exc
     for field in ("num_tokens", "state_position"):
         if getattr(checked, field) > MAX_TICKET_TOKENS:
             raise bad(field, str(getattr(checked, field)), f"is above {MAX_TICKET_TOKENS}")
