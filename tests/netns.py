@@ -32,7 +32,7 @@ MARK = "netns"
 ENV_VAR = "HT_TEST_NETNS"
 FIXTURE = "netns_run"
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the child pytest reads the same config
-# The veth pair: both ends in the namespace, addresses from a private range no host route points at.
+# The veth pair: both ends in the namespace, which has no other interface but lo, so nothing leaves it.
 VETH = {"hta": "10.77.0.1", "htb": "10.77.0.2"}
 TIMEOUT_S = 480.0  # one file's netns tests, pytest start included, on a busy 2-core host
 _READY = "netns: namespace ready"
@@ -54,7 +54,7 @@ def is_inside() -> bool:
 
 
 def interface():
-    """The first network interface (an engine.tcp_path.Interface), checked to be an end of the namespace's veth pair (never a host interface).
+    """The first network interface (a tcp_path.Interface), checked to be a veth end here, never a host's interface.
 
     Raises:
         AssertionError: not inside the namespace, or the first interface is not a veth end with its address.
