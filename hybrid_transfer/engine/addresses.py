@@ -11,6 +11,7 @@ would slip past the list.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import re
 from collections.abc import Iterable
@@ -85,6 +86,11 @@ def parse_address(address: object) -> Endpoint:
     """
     if not isinstance(address, str):
         raise ConfigError(f"address {shown(address)} must be a string", field="address", value=shown(address))
+    return _parse(address)
+
+
+@functools.lru_cache(maxsize=1024)  # the same few producer addresses come in every ticket; errors are not cached
+def _parse(address: str) -> Endpoint:
     match = _ADDRESS.fullmatch(address) if len(address) <= MAX_HOST_CHARS + 16 else None
     if match is None:
         raise ConfigError(f"address {shown(address)} is not tcp://HOST:PORT (HOST a name, an IPv4 address or an "

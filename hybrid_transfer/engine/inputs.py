@@ -148,6 +148,12 @@ def _check_block_ids(block_ids: object, bad) -> None:
     total = sum(len(g) for g in block_ids if isinstance(g, (list, tuple)))
     if total > MAX_TICKET_BLOCK_IDS:
         raise bad("block_ids", shown(block_ids), f"lists {total} block ids, at most {MAX_TICKET_BLOCK_IDS}")
+    groups = [g for g in block_ids if isinstance(g, (list, tuple)) and g]
+    try:  # the common case in C: every id comparable and in range (wire.check_ticket then checks the types)
+        if min(map(min, groups), default=0) >= 0 and max(map(max, groups), default=0) <= MAX_BLOCK_ID:
+            return
+    except TypeError:
+        pass  # ids of mixed types: find the one out of range, if any, below
     for g, group in enumerate(block_ids):
         if not isinstance(group, (list, tuple)):
             continue
