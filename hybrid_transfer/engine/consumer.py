@@ -193,8 +193,10 @@ class Consumer:
         Blocks until every rank of that engine has answered, or the timeout passes.
 
         Raises:
-            HandshakeError: a refusal (``differences`` names each field with both values) or an
-                engine this rank cannot read from; HandshakeTimeout when no answer came in time.
+            HandshakeError: a refusal (``differences`` names each field with both values, ``cause`` the
+                producer's word) or an engine this rank cannot read from; an address that is malformed or
+                not in ``allowed_producers`` (cause "unreachable" / "disallowed", nothing connected);
+                HandshakeTimeout when no answer came in time.
         """
         self._check_open()
         timeout_s = self.config.handshake_timeout_s if timeout_s is None else timeout_s
