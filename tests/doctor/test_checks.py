@@ -198,6 +198,7 @@ def test_loopback_dram_moves_and_verifies_bytes(api_module):
 
 def test_forcing_tcp_is_observed_and_warned(api_module, monkeypatch):
     monkeypatch.setenv("UCX_TLS", "tcp")  # the children inherit it
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")  # TCP over loopback only: no traffic to the host's interfaces
     run = run_loopback(Memory.DRAM, 1 * MIB, api_module=api_module, repeats=1)
     assert run.ok
     assert observed_transports(run, Memory.DRAM, 1 * MIB) == ["tcp"]
