@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=d.concurrency, help="requests per wave (one decode step)")
     parser.add_argument("--waves", type=int, default=d.waves, help="timed waves")
     parser.add_argument("--warmup", type=int, default=d.warmup, help="untimed waves first")
+    parser.add_argument("--rounds", type=int, default=d.rounds,
+                        help="every connector once per round, the order rotating (host noise); medians over all waves")
     parser.add_argument("--threads", type=int, default=d.num_threads, help="UCX thread-pool threads, every agent")
     parser.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated, run in this order")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     spec = PeerSpec(preset=args.preset, tokens=args.tokens, concurrency=args.concurrency, waves=args.waves,
-                    warmup=args.warmup, num_threads=args.threads, seed=args.seed,
+                    rounds=args.rounds, warmup=args.warmup, num_threads=args.threads, seed=args.seed,
                     connectors=tuple(c for c in args.connectors.split(",") if c)).validate()
     results = run_side_by_side(spec)
     print(plain_table(spec, results))

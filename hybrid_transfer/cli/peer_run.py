@@ -50,6 +50,7 @@ def run_peer(args: argparse.Namespace) -> int:
     concurrency = args.concurrency
     spec = PeerSpec(preset=args.preset, tokens=args.tokens, concurrency=concurrency,
                     waves=max(1, -(-args.requests // concurrency)), warmup=max(1, -(-args.warmup // concurrency)),
+                    rounds=args.rounds,
                     num_threads=args.backend_threads or 0, seed=args.seed).validate()
     results = run_side_by_side(spec)
     print(plain_table(spec, results), file=table_stream(args))

@@ -43,6 +43,7 @@ class WaveFigures:
     requests: tuple[RequestFigures, ...]
     start_s: float  # inside start_load_kv, every step of the wave
     results_s: float  # inside get_transfer_results, every step of the wave
+    nixl_s: float  # of those, inside NIXL agent calls on the worker's thread
     num_steps: int
     window_s: float  # first post -> last report
     cpu_s: float  # this process's CPU time over the wave
@@ -52,6 +53,7 @@ class _Host:
     def __init__(self):
         self.engine = None
         self.expected = None
+        self.num_profiles = 0
 
     def create(self, connector: str, shape, seed: int) -> str:
         from hybrid_transfer.integrations.vllm_peer.engine import PeerEngine, allocate, fill_pattern
@@ -67,7 +69,7 @@ class _Host:
 
         e = self.engine
         times = e.times
-        first_step, first_result = len(times.start_s), len(times.results_s)
+        first_step, first_result, nixl0 = len(times.start_s), len(times.results_s), times.nixl_s
         ids = [r.request_id for r in requests]
         e.fence = set(ids)
         for r in requests:
@@ -96,12 +98,27 @@ class _Host:
             figures.append(RequestFigures(r.request_id, times.recv_t[r.request_id] - post_t,
                                           block_ids[r.request_id], nbytes, digest))
         return WaveFigures(tuple(figures), sum(times.start_s[first_step:]), sum(times.results_s[first_result:]),
-                           len(times.start_s) - first_step, max(times.recv_t[i] for i in ids) - post_t, cpu_s)
+                           times.nixl_s - nixl0, len(times.start_s) - first_step, max(times.recv_t[i] for i in ids) - post_t, cpu_s)
 
     def close(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine, self.expected = None, None
+
+
+def _call(host: _Host, op: str, args: tuple):
+    """Run one command; with HT_PEER_PROFILE=PREFIX set, each wave's cProfile goes to PREFIX.<connector>.<n>."""
+    prefix = os.environ.get("HT_PEER_PROFILE")
+    if op != "wave" or not prefix:
+        return getattr(host, op)(*args)
+    import cProfile
+
+    profile = cProfile.Profile()
+    try:
+        return profile.runcall(host.wave, *args)
+    finally:
+        host.num_profiles += 1
+        profile.dump_stats(f"{prefix}.{host.engine.connector_name}.{host.num_profiles}")
 
 
 def host_main(conn, env: dict[str, str]) -> None:
@@ -118,7 +135,7 @@ def host_main(conn, env: dict[str, str]) -> None:
                 break
             op, args = message
             try:
-                conn.send(("ok", getattr(host, op)(*args)))
+                conn.send(("ok", _call(host, op, args)))
             except BaseException as exc:  # noqa: BLE001 - every failure goes back to the orchestrator
                 conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:

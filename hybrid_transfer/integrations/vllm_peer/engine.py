@@ -12,7 +12,9 @@ Only the edges vLLM reads from a real worker process are given: TP rank 0 of 1 (
 group), an attention backend for a model whose layers are never built, and no NUMA core list
 (vLLM's NIXL worker on CPU would pin the whole process to one core; the connectors must see the
 same cores). The hooks ``start_load_kv`` and ``get_transfer_results`` are timed on the worker's
-thread (the same wrapper for both connectors).
+thread (the same wrapper for both connectors), and so is every call into NIXL's agent made inside
+them on that thread (both connectors use the same ``nixl_agent`` class), which splits a hook's
+time into NIXL's and the connector's own.
 
 Wave fence: a request's finished_sending / finished_recving id is handed to the scheduler only
 once every request of its wave reported it (``fence``), so every run frees blocks in the same
@@ -23,7 +25,9 @@ connector reported, before the fence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from unittest import mock
@@ -54,10 +58,38 @@ class HookTimes:
 
     start_s: list[float] = field(default_factory=list)  # per step: inside start_load_kv
     results_s: list[float] = field(default_factory=list)  # per step: inside get_transfer_results
+    nixl_s: float = 0.0  # running total: inside NIXL agent calls made from the hooks on the worker's thread
+    in_hook: bool = False
+    hook_thread: int = field(default_factory=threading.get_ident)
     step_start_t: list[float] = field(default_factory=list)  # per step: when start_load_kv was entered
     recv_t: dict[str, float] = field(default_factory=dict)  # request id -> first get_transfer_results naming it
     sent_t: dict[str, float] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
+
+
+# The agent calls of a transfer's life (descriptor lists, handles, posts, checks, notifications), either connector's.
+NIXL_CALLS = ("prep_xfer_dlist", "make_prepped_xfer", "get_xfer_descs", "initialize_xfer", "transfer",
+              "check_xfer_state", "release_xfer_handle", "release_dlist_handle", "send_notif", "get_new_notifs",
+              "get_xfer_telemetry")
+
+
+def _timed_nixl(agent_cls, times: HookTimes, stack: contextlib.ExitStack) -> None:
+    """Time NIXL's agent calls made inside a hook on the worker's thread (class-level, undone by ``stack``)."""
+    for name in NIXL_CALLS:
+        original = getattr(agent_cls, name, None)
+        if original is None:
+            continue
+
+        def timed(self, *args, _original=original, **kwargs):
+            if not times.in_hook or threading.get_ident() != times.hook_thread:
+                return _original(self, *args, **kwargs)
+            t0 = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                times.nixl_s += time.perf_counter() - t0
+
+        stack.enter_context(mock.patch.object(agent_cls, name, functools.wraps(original)(timed)))
 
 
 def _timed_hooks(worker, times: HookTimes) -> None:
@@ -65,16 +97,22 @@ def _timed_hooks(worker, times: HookTimes) -> None:
     start_load_kv, get_transfer_results = worker.start_load_kv, worker.get_transfer_results
 
     def timed_start(forward_context, **kwargs):
+        times.in_hook = True
         t0 = time.perf_counter()
         try:
             return start_load_kv(forward_context, **kwargs)
         finally:
             times.step_start_t.append(t0)
             times.start_s.append(time.perf_counter() - t0)
+            times.in_hook = False
 
     def timed_results(finished_req_ids):
+        times.in_hook = True
         t0 = time.perf_counter()
-        out = get_transfer_results(finished_req_ids)
+        try:
+            out = get_transfer_results(finished_req_ids)
+        finally:
+            times.in_hook = False
         t1 = time.perf_counter()
         times.results_s.append(t1 - t0)
         for rid in out.finished_recving or ():
@@ -161,6 +199,7 @@ class PeerEngine:
             raise
         self.times = HookTimes()
         _timed_hooks(self.worker, self.times)
+        _timed_nixl(base_worker.NixlWrapper, self.times, self._patches)  # nixl's nixl_agent, which ours uses too
         self.aggregator = KVOutputAggregator.from_connector(self.scheduler.connector, 1)
         self._held_sending: set[str] = set()
         self._held_recving: set[str] = set()

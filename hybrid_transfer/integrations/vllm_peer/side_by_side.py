@@ -51,13 +51,15 @@ class PeerSpec:
     tokens: int = 1024  # tokens whose KV moves per request (prompt: tokens + 1)
     concurrency: int = 4  # requests per wave, loaded in one decode step
     waves: int = 3  # timed waves
+    rounds: int = 1  # every connector runs once per round, the order rotating; figures are medians over all waves
     warmup: int = 1  # untimed waves first (handshakes, first READs)
     num_threads: int = 0  # UCX thread-pool threads of every agent, both connectors
     seed: int = 0
     connectors: tuple[str, ...] = CONNECTORS
 
     def validate(self) -> PeerSpec:
-        for name, low in (("tokens", 1), ("concurrency", 1), ("waves", 1), ("warmup", 1), ("num_threads", 0)):
+        for name, low in (("tokens", 1), ("concurrency", 1), ("waves", 1), ("rounds", 1), ("warmup", 1),
+                          ("num_threads", 0)):
             value = getattr(self, name)
             if not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= {low}", field=name, value=value)
@@ -82,10 +84,20 @@ class ConnectorResult:
     def _per_request_ms(self, seconds: list[float]) -> float:
         return statistics.median(s / self.concurrency for s in seconds) * 1e3
 
+    def worker_ms_range(self) -> tuple[float, float]:
+        """(min, max) over the timed waves of ``worker_ms``'s per-wave value."""
+        per_wave = [(w.start_s + w.results_s) / self.concurrency * 1e3 for w in self.waves]
+        return min(per_wave), max(per_wave)
+
     @property
     def worker_ms(self) -> float:
         """Decode worker thread inside start_load_kv + get_transfer_results per request (median wave)."""
         return self._per_request_ms([w.start_s + w.results_s for w in self.waves])
+
+    @property
+    def nixl_ms(self) -> float:
+        """Of ``worker_ms``, the time inside NIXL's agent calls (the rest is the connector's own Python)."""
+        return self._per_request_ms([w.nixl_s for w in self.waves])
 
     @property
     def start_ms(self) -> float:
@@ -118,6 +130,17 @@ class ConnectorResult:
     @property
     def cpu_ms(self) -> tuple[float, float]:
         return (self._per_request_ms([w.cpu_s for w in self.waves]), self._per_request_ms(self.producer_cpu_s))
+
+    def merge(self, other: ConnectorResult) -> None:
+        """Add another round of the same connector; its requests must have had the same ids and bytes."""
+        mine, theirs = self.request_map(), other.request_map()
+        changed = sorted(k for k in mine if theirs.get(k) != mine[k])
+        if changed:
+            raise BenchError(f"{self.connector}: requests {changed} differ between rounds (ids or bytes)",
+                             where="rounds")
+        self.waves += other.waves
+        self.producer_hooks_s += other.producer_hooks_s
+        self.producer_cpu_s += other.producer_cpu_s
 
     def request_map(self) -> dict[str, tuple]:
         """Timed request key -> (prefill ids, decode ids, valid bytes, sha256 of them)."""
@@ -261,7 +284,16 @@ def run_side_by_side(spec: PeerSpec) -> list[ConnectorResult]:
     saved = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
     os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
     try:
-        return [_run_connector(c, spec, shape, decode) for c in spec.connectors]
+        merged: dict[str, ConnectorResult] = {}
+        for round_index in range(spec.rounds):
+            k = round_index % len(spec.connectors)
+            for connector in spec.connectors[k:] + spec.connectors[:k]:  # rotate: no connector always goes first
+                result = _run_connector(connector, spec, shape, decode)
+                if connector in merged:
+                    merged[connector].merge(result)
+                else:
+                    merged[connector] = result
+        return [merged[c] for c in spec.connectors]
     finally:
         decode.close()
         if saved is None:
@@ -289,7 +321,7 @@ def same_requests(results: list[ConnectorResult]) -> list[str]:
 
 COLUMNS = ("connector", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post ms", "ovh ms", "p50 ms",
            "p99 ms", "lag ms", "hold ms", "gather/scatter ms", "CPU ms/req d/p", "steps", "prefill ms/req",
-           "verified")
+           "NIXL ms/req", "verified")
 NOTES = (
     "Columns as in `hybrid-transfer bench` ('-': not measured for a connector driven through vLLM's hooks). "
     "GB/s: valid bytes of a wave / (start_load_kv of the step that carried its loads -> the last "
@@ -298,7 +330,8 @@ NOTES = (
     "(the engine steps back to back, so waiting polls count). p50/p99 ms: start_load_kv entry -> the "
     "get_transfer_results naming the request. CPU ms/req: process CPU over the wave per request, decode / "
     "prefill (the prefill process also orchestrates). steps: decode steps per wave. prefill ms/req: the prefill "
-    "worker's two hooks per request. verified: every request's valid bytes equal the source's."
+    "worker's two hooks per request. NIXL ms/req: of ovh ms, inside NIXL agent calls on the worker's thread "
+    "(ovh minus this is the connector's own Python). ovh ms (min-max): over all timed waves. verified: every request's valid bytes equal the source's."
 )
 
 
@@ -306,15 +339,16 @@ def table_rows(results: list[ConnectorResult]) -> list[list[str]]:
     rows = []
     for r in results:
         cpu_d, cpu_p = r.cpu_ms
-        rows.append([r.connector, f"{r.gbps:.2f}", "-", "-", "-", "-", f"{r.start_ms:.3f}", f"{r.worker_ms:.3f}",
+        rows.append([r.connector, f"{r.gbps:.2f}", "-", "-", "-", "-", f"{r.start_ms:.3f}",
+                     "{:.3f} ({:.2f}-{:.2f})".format(r.worker_ms, *r.worker_ms_range()),
                      f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", "-", "-", "-", f"{cpu_d:.2f} / {cpu_p:.2f}",
-                     f"{r.steps:g}", f"{r.producer_ms:.3f}", "yes"])
+                     f"{r.steps:g}", f"{r.producer_ms:.3f}", f"{r.nixl_ms:.3f}", "yes"])
     return rows
 
 
 def plain_table(spec: PeerSpec, results: list[ConnectorResult]) -> str:
     head = (f"{spec.preset}, P1 -> D1, {spec.tokens} tokens, {spec.concurrency} requests per wave, {spec.waves} "
-            f"timed waves (+{spec.warmup} warm-up), UCX threads {spec.num_threads}, CPU DRAM, loopback")
+            f"timed waves (+{spec.warmup} warm-up) x {spec.rounds} round(s), UCX threads {spec.num_threads}, CPU DRAM, loopback")
     rows = [list(COLUMNS)] + table_rows(results)
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = [head, ""] + ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
@@ -328,7 +362,7 @@ def to_json(spec: PeerSpec, results: list[ConnectorResult]) -> dict:
             "connector": r.connector, "gbps": r.gbps, "post_ms": r.start_ms, "worker_ms_per_request": r.worker_ms,
             "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "cpu_ms_per_request_decode": r.cpu_ms[0],
             "cpu_ms_per_request_prefill": r.cpu_ms[1], "steps_per_wave": r.steps,
-            "prefill_worker_ms_per_request": r.producer_ms, "verified": True,
+            "prefill_worker_ms_per_request": r.producer_ms, "nixl_ms_per_request": r.nixl_ms, "verified": True,
         } for r in results],
         "same_requests": not same_requests(results),
     }
