@@ -125,6 +125,12 @@ def host_main(conn, env: dict[str, str]) -> None:
     """Entry of the spawned decode process: (op, args) in, ("ok", value) or ("err", text) out."""
     os.environ.update(env)
     logging.basicConfig(level=os.environ.get("HT_PEER_LOG", "WARNING"))
+    import torch
+
+    # One intra-op thread: the engine's thread and UCX's share a loaded host; torch's OpenMP pool of one
+    # thread per core made our tail zeroing (128 KiB zero_ per layer) take 30 ms per request here while the
+    # other core was busy. Neither connector's hooks gain from it.
+    torch.set_num_threads(1)
     host = _Host()
     try:
         while True:
