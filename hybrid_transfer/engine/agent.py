@@ -121,7 +121,7 @@ class XferHandle:
     """One posted READ: the NIXL handle, its peer and its last known state."""
 
     __slots__ = ("handle", "peer", "state", "num_descriptors", "num_bytes", "_dlists", "error", "checked_in",
-                 "posted", "cancelled", "descs")
+                 "posted", "cancelled", "descs", "shares")
 
     def __init__(self, handle: Any, peer: str, num_descriptors: int, num_bytes: int, dlists: tuple = ()):
         self.handle = handle
@@ -135,10 +135,46 @@ class XferHandle:
         self.posted = True  # False while it waits for (or is in) the posting thread: NIXL is not asked about it
         self.cancelled = False  # released before it was posted: the posting thread skips it
         self.descs: tuple | None = None  # (local, remote) until the posting thread has posted it
+        self.shares = 0  # SharedRead views not yet let go (a READ batched over several requests)
 
     @property
     def is_released(self) -> bool:
         return self.state is XferState.RELEASED
+
+
+class SharedRead:
+    """One request's part of a READ that several requests share (engine/read_batch.py).
+
+    Its state, peer and error are the shared handle's (an error fails every request in it); its bytes and
+    descriptors are the request's own. ``NixlAgent.release`` lets go of this request's reference and frees
+    the handle once every request sharing it has let go, so a request that ends early keeps its blocks
+    quarantined until the shared handle is released (reference-counted per handle).
+    """
+
+    __slots__ = ("base", "num_bytes", "num_descriptors", "dropped")
+
+    def __init__(self, base: XferHandle, num_descriptors: int, num_bytes: int):
+        self.base = base
+        self.num_descriptors = num_descriptors
+        self.num_bytes = num_bytes
+        self.dropped = False
+        base.shares += 1
+
+    @property
+    def peer(self) -> str:
+        return self.base.peer
+
+    @property
+    def state(self) -> XferState:
+        return self.base.state
+
+    @property
+    def error(self) -> EngineError | None:
+        return self.base.error
+
+    @property
+    def is_released(self) -> bool:
+        return self.base.is_released
 
 
 class NixlAgent:
@@ -356,6 +392,8 @@ class NixlAgent:
 
         A NIXL error (the peer disconnected, ...) makes the state ERR with ``xfer.error`` set.
         """
+        if isinstance(xfer, SharedRead):
+            xfer = xfer.base
         if xfer.state is XferState.PROC and xfer.posted and (self._scope < 0 or xfer.checked_in != self._scope):
             xfer.checked_in = self._scope
             try:
@@ -380,8 +418,16 @@ class NixlAgent:
         """Free a READ's handle; False when NIXL refuses because the READ may still write (try again later).
 
         A READ still waiting for the posting thread is cancelled (it will not be posted) and False is
-        returned: it may be mid-post; a later call frees it once the thread is done with it.
+        returned: it may be mid-post; a later call frees it once the thread is done with it. A SharedRead
+        lets go of its request's reference; the shared READ is freed (True) once no request holds it.
         """
+        if isinstance(xfer, SharedRead):
+            if not xfer.dropped:
+                xfer.dropped = True
+                xfer.base.shares -= 1
+            if xfer.base.shares > 0:
+                return False
+            xfer = xfer.base
         if xfer.is_released:
             return True
         if not xfer.posted:

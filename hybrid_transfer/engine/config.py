@@ -105,6 +105,9 @@ DEFAULT_HELD_FRACTION = 0.9
 WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that mean "every interface"
 
 
+READ_BATCHING = ("per_step", "per_request")  # EngineConfig.read_batching
+
+
 class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Auto mode's cost model parameters (plan/cost.py); defaults: the H200 figures of docs/tuning.md#cost-model."""
 
@@ -191,6 +194,9 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_handshake_sockets: handshakes a consumer has in flight, one ZeroMQ socket per producer rank
         address, closed when the reply comes or the handshake times out; a ticket that would need more fails
         (cause "capacity") before connecting (docs/limits.md#consumer-links).
+    read_batching: how a consumer rank's ``start_reads`` posts a step's requests (docs/lifecycle.md#batched-reads):
+        "per_step" (one READ per producer agent for every direct source of the step, one Claims per agent
+        per step, one Completions per agent per poll) or "per_request" (each request alone, as ``start_read``).
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -223,6 +229,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     allowed_producers: tuple[str, ...] = DEFAULT_ALLOWED_PRODUCERS
     max_links: int = 256
     max_handshake_sockets: int = 64
+    read_batching: str = "per_step"
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -275,6 +282,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.split_batch_size is not None and (
                 not isinstance(self.split_batch_size, int) or self.split_batch_size < 1):
             _bad("split_batch_size", self.split_batch_size, "must be None or a positive integer")
+        if self.read_batching not in READ_BATCHING:
+            _bad("read_batching", self.read_batching, f"must be one of {list(READ_BATCHING)}")
         if not isinstance(self.mode, PlanMode):
             _bad("mode", self.mode, f"must be one of {[m.value for m in PlanMode]}")
         if not isinstance(self.staging_bytes, int) or self.staging_bytes < 0 or (

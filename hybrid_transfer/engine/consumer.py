@@ -31,10 +31,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from hybrid_transfer.cache import HybridCache
-from hybrid_transfer.engine import auth, claims, inputs, metrics, wire
+from hybrid_transfer.engine import auth, claims, inputs, metrics, read_batch, wire
 from hybrid_transfer.engine.addresses import AllowedProducers
 from hybrid_transfer.engine.agent import NixlAgent, XferState
 from hybrid_transfer.engine.config import EngineConfig
+from hybrid_transfer.engine.consumer_notes import ProducerNotes
+from hybrid_transfer.engine.declines import MAX_PENDING_DECLINES, Declines
 from hybrid_transfer.engine.inbox import Inbox
 from hybrid_transfer.engine.lifecycle.fences import StepFences
 from hybrid_transfer.engine.lifecycle.quarantine import Quarantine
@@ -50,7 +52,7 @@ from hybrid_transfer.engine.lifecycle.state import (
 )
 from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.pack.reader import PackReader
-from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_agent_name
+from hybrid_transfer.engine.peer_record import PeerStage, consumer_agent_name
 from hybrid_transfer.engine.peers import EngineLink, LinkState, LinkStats, Peers
 from hybrid_transfer.errors import (
     BlockBusyError,
@@ -71,7 +73,6 @@ from hybrid_transfer.errors import (
     TicketError,
     TicketRevokedError,
     UnsupportedError,
-    WireDecodeError,
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.plan.cost import CostModel
@@ -82,7 +83,6 @@ from hybrid_transfer.planner_input import describe_cache
 log = logging.getLogger(__name__)
 
 _CONNECT_POLL_MS = 20
-MAX_PENDING_DECLINES = 4096  # declines waiting for their engine's link; beyond, the producer's lease frees them
 _LIVE = (ReadState.WAITING_PEER, ReadState.READING)
 
 
@@ -109,16 +109,7 @@ class ConsumerStats:
     claims_refused: int = 0  # ... each fails its request (ticket_replayed, ticket_edited or revoked)
 
 
-@dataclass
-class _Decline:
-    """A ticket this rank will not read, waiting for its producer engine's link."""
-
-    ticket: wire.Ticket
-    link: EngineLink
-    deadline: float
-
-
-class Consumer:
+class Consumer(ProducerNotes):
     """One decode TP rank.
 
     Args:
@@ -179,7 +170,10 @@ class Consumer:
         # no READ is judged DONE while one is left (see _advance).
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
-        self._declines: dict[tuple[str, int], _Decline] = {}  # (request id, nonce) -> waiting for its link
+        self._declines = Declines(self.agent.name)  # tickets declined, waiting for their engine's link
+        self._batched = self.config.read_batching == "per_step"  # docs/lifecycle.md#batched-reads
+        self._outbox = read_batch.Outbox()  # per_step: completions leave as one Completions per agent per call
+        self._ready: list = []  # per_step: (request, plan) linked during this poll, posted together at its end
 
     @property
     def cost_model(self) -> CostModel:
@@ -219,6 +213,32 @@ class Consumer:
         self._peers.connect(address)
 
     # ---- requests -----------------------------------------------------------------
+    def start_reads(self, reads: Sequence[read_batch.Read]) -> list[Exception | None]:
+        """Start every request of a step at once (docs/lifecycle.md#batched-reads); returns without waiting.
+
+        Each ``Read`` (ticket, local block ids per group, expected state position) is checked and planned
+        exactly as ``start_read`` does; one that is refused fails alone and its error (start_read's typed
+        ones; an untyped one, a ZeroMQ error say, likewise) is returned in its place (None: accepted), so a
+        bad request never stops the others. With ``read_batching`` "per_step"
+        the accepted ones then post one READ and one Claims per producer agent; "per_request" posts each
+        request as ``start_read`` does.
+        """
+        self._check_open()
+        errors: list[Exception | None] = []
+        ready = []
+        for read in reads:
+            try:
+                item = self._admit(*read)
+            except Exception as exc:  # noqa: BLE001 - it stays with its request (docstring)
+                errors.append(exc)
+                continue
+            errors.append(None)
+            if item is not None:
+                ready.append(item)
+        self._post_all(ready, self._clock())
+        self._flush()
+        return errors
+
     def start_read(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]], *,
                    expected_state_position: int | None = None) -> None:
         """Plan, validate and post one READ per source rank of ``ticket``; returns without waiting.
@@ -242,6 +262,15 @@ class Consumer:
             BlockBusyError: a local block still belongs to a request not reported yet (reading, or
                 quarantined until nothing can write it).
         """
+        self._check_open()
+        item = self._admit(ticket, local_block_ids_per_group, expected_state_position)
+        if item is not None:
+            self._post(*item, self._clock())
+        self._flush()
+
+    def _admit(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]],
+               expected_state_position: int | None = None) -> tuple | None:
+        """start_read's checks and bookkeeping; (request, plan) when it can be posted now (raises as start_read)."""
         self._check_open()
         ticket = inputs.ticket(ticket)  # every field's type, range, size and address syntax (engine/inputs.py)
         if expected_state_position is not None:
@@ -288,7 +317,16 @@ class Consumer:
                                             "match its fields)", agent="(checked locally)"), now,
                       FailureCause.TICKET_EDITED)
         elif plan is not None and self._greet(link) and self._lost_agent(link) is None:
-            self._post(req, plan, now)
+            return req, plan
+        return None
+
+    def _post_all(self, ready: list, now: float) -> None:
+        """Post admitted requests: in one pass (read_batch.py) with per_step batching, else one by one."""
+        if self._batched:
+            read_batch.post_step(self, ready, now)
+        else:
+            for req, plan in ready:
+                self._post(req, plan, now)
 
     def poll(self) -> list[ReadResult]:
         """Progress handshakes, notifications and READs; return every request that ended.
@@ -308,9 +346,19 @@ class Consumer:
         with self.agent.one_check_per_handle():  # pack's and this loop's checks share one NIXL query a poll
             for req in list(self._requests.values()):
                 self._advance(req, now)
+            ready, self._ready = self._ready, []
+            self._post_all(ready, now)
             self._advance_declines(now)
             self._heartbeat(now)
-            return self._collect(now)
+            results = self._collect(now)
+        self._flush()
+        return results
+
+    def _flush(self) -> None:
+        """per_step: send the completions this call produced, one Completions per producer agent."""
+        sent, failed = self._outbox.flush(self._send_body, self.tp_rank)
+        self.stats.notifications_sent += sent
+        self.stats.notify_failures += failed
 
     def abort(self, request_id: str) -> bool:
         """The embedder gives up on a request; False when it is unknown or already ending.
@@ -324,6 +372,7 @@ class Consumer:
         if req is None or req.state not in _LIVE:
             return False
         self._end(req, RequestAbortedError(request_id=request_id, state=req.state.value), self._clock())
+        self._flush()
         return True
 
     def decline(self, ticket: wire.Ticket) -> bool:
@@ -356,8 +405,7 @@ class Consumer:
         if not claims.mac_ok(ticket, self._secret):  # checked before connecting anywhere
             raise TicketError("its MAC does not match its fields (edited, or not signed under our secret): not "
                               "declining it", request_id=rid, field="mac")
-        key = (rid, ticket.nonce)
-        if key in self._declines:
+        if (rid, ticket.nonce) in self._declines:
             return False
         if len(self._declines) >= MAX_PENDING_DECLINES:
             self.stats.declines_dropped += 1
@@ -371,8 +419,9 @@ class Consumer:
             log.info("consumer %s: cannot decline %r, its engine is unusable: %s", self.agent.name, rid, exc)
             return False
         now = self._clock()
-        self._declines[key] = _Decline(ticket, link, now + self.config.handshake_timeout_s)
+        self._declines.add(ticket, link, now + self.config.handshake_timeout_s)
         self._advance_declines(now)
+        self._flush()
         return True
 
     def _check_addresses(self, ticket: wire.Ticket) -> None:
@@ -420,17 +469,11 @@ class Consumer:
         return len(self._declines)
 
     def _advance_declines(self, now: float) -> None:
-        for key, decline in list(self._declines.items()):
-            link = decline.link.resolve()
-            if link.state is LinkState.READY:
-                del self._declines[key]
-                self._notify_producers(decline.ticket, link, tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify), wire.CompletionKind.ABORTED)
-                self.stats.declines_sent += 1
-            elif link.state is LinkState.FAILED or now >= decline.deadline:
-                del self._declines[key]
-                self.stats.declines_dropped += 1
-                log.info("consumer %s: decline of %r dropped (%s); the producer's lease frees it", self.agent.name,
-                         decline.ticket.request_id, link.error or "handshake deadline")
+        sent, dropped = self._declines.advance(now, lambda t, link: self._notify_producers(
+            t, link, tuple((n.source_rank, n.expected_consumers) for n in link.planner.notify),
+            wire.CompletionKind.ABORTED))
+        self.stats.declines_sent += sent
+        self.stats.declines_dropped += dropped
 
     def mark_blocks_written(self, block_ids: Sequence[int], step: int) -> None:
         """Engine step ``step`` writes these local blocks: a failed or aborted request keeps them until it finished."""
@@ -476,7 +519,10 @@ class Consumer:
                     except (PlanError, UnsupportedError) as exc:
                         self._end(req, exc, now, FailureCause.PLAN)
                     else:
-                        self._post(req, plan, now)
+                        if self._batched:
+                            self._ready.append((req, plan))  # posted with the others at the end of this poll
+                        else:
+                            self._post(req, plan, now)
                 elif now >= req.deadline:
                     self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
             elif link.state is LinkState.FAILED:
@@ -641,169 +687,15 @@ class Consumer:
             peer = link.agents.get(source_rank)
             if peer is None or self._is_lost(peer):
                 continue
+            if self._batched:
+                self._outbox.add(peer, wire.CompletionEntry(t.request_id, t.nonce, expected, kind))
+                continue
             message = wire.encode(wire.Completion(request_id=t.request_id, nonce=t.nonce, consumer_rank=self.tp_rank,
                                                   expected_consumers=expected, kind=kind), self._digest)
             if self._send(peer, message):
                 self.stats.notifications_sent += 1
             else:
                 self.stats.notify_failures += 1
-
-    # ---- notifications to and from producer agents ---------------------------------------
-    def _send(self, peer: str, message: bytes) -> bool:
-        """One notification, sealed under the peer's link when a secret is set; False when it failed (a
-        disconnected agent is then marked lost)."""
-        record = self._records.get(peer)
-        if record is not None and record.link is not None:
-            counter, mac = record.link.seal(message)
-            message = wire.encode(wire.Sealed(counter=counter, mac=mac, message=message), self._digest)
-        try:
-            self.agent.send_notif(peer, message)
-            return True
-        except PeerDisconnectedError as exc:
-            self._lose(peer, exc)
-        except EngineError as exc:
-            log.warning("consumer %s: %s", self.agent.name, exc)
-        return False
-
-    def _greet(self, link: EngineLink) -> bool:
-        """Say Hello once to each producer agent of a ready link; True once every one has welcomed us."""
-        welcomed = True
-        for agent in link.agents.values():
-            record = self._records[agent]
-            if record.stage is PeerStage.HANDSHAKEN:
-                advance(record, PeerStage.GREETED, self._clock())
-                if self._send(agent, wire.encode(wire.Hello(consumer_rank=self.tp_rank,
-                                                            agent_metadata=self._metadata), self._digest)):
-                    self.stats.hellos_sent += 1
-            welcomed = welcomed and record.stage is PeerStage.WELCOMED
-        return welcomed
-
-    def _take_notifications(self) -> None:
-        self._inbox.put(self.agent.get_notifs())
-        self.stats.notifications_dropped = self._inbox.num_dropped
-        for sender, message in self._inbox.take():
-            self._on_notification(sender, message)
-
-    def _on_notification(self, sender: str, message: bytes) -> None:
-        record = self._records.get(sender)
-        try:
-            env = wire.decode_envelope(message)
-            if env.fingerprint != self._digest or record is None or record.stage not in (
-                    PeerStage.GREETED, PeerStage.WELCOMED):
-                self.stats.unexpected_notifications += 1
-                return
-            if record.link is not None:
-                env = self._unseal(sender, env, record)
-                if env is None:
-                    return
-            elif env.kind is wire.Kind.SEALED:
-                raise WireDecodeError("a sealed notification, but this consumer has no secret")
-            body = wire.decode_body(env)
-        except WireDecodeError:
-            self.stats.unexpected_notifications += 1
-            return
-        now = self._clock()
-        if isinstance(body, wire.Welcome):
-            self.stats.welcomes += 1
-            for ref in body.revoked:
-                self._revoke(ref, sender, now + body.lease_s)
-            if record.stage is PeerStage.GREETED:
-                advance(record, PeerStage.WELCOMED, now)
-            self._pack.on_welcome(sender, body.stages)
-        elif isinstance(body, wire.Staged):  # pack: where the producer rank staged a request (engine/pack/)
-            self._pack.on_staged(sender, body)
-        elif isinstance(body, wire.ClaimReply):
-            self._on_claim_reply(sender, body, now)
-        elif isinstance(body, wire.Revoke):
-            self.stats.revokes += 1
-            self._revoke(body.request, sender, now + body.lease_s)
-            self._send(sender, wire.encode(wire.RevokeAck(request=body.request), self._digest))
-        else:
-            self.stats.unexpected_notifications += 1
-
-    def _unseal(self, sender: str, env: wire.Envelope, record: PeerRecord) -> wire.Envelope | None:
-        """The inner envelope of a sealed notification that passes its link's check; None when rejected.
-
-        Raises:
-            WireDecodeError: a sealed message (or its inner envelope) that does not decode.
-        """
-        if env.kind is not wire.Kind.SEALED:
-            cause = "unsealed"
-        else:
-            sealed = wire.decode_body(env)
-            try:
-                record.link.check(sealed.counter, sealed.mac, sealed.message)
-            except auth.Rejected as exc:
-                cause = exc.cause
-            else:
-                inner = wire.decode_envelope(sealed.message)
-                if inner.fingerprint != self._digest or inner.kind is wire.Kind.SEALED:
-                    raise WireDecodeError("a sealed notification whose inner message is not ours")
-                return inner
-        self.stats.rejected += 1
-        self.rejections.add(cause, sender)
-        return None
-
-    def _on_claim_reply(self, sender: str, body: wire.ClaimReply, now: float) -> None:
-        req = self._requests.get(body.request.request_id)
-        if req is None or req.ticket.nonce != body.request.nonce or sender not in req.awaiting_claims or (
-                body.consumer_rank != self.tp_rank):
-            self.stats.unexpected_notifications += 1
-            return
-        req.awaiting_claims.discard(sender)
-        if body.status is wire.ClaimStatus.CONFIRMED:
-            self.stats.claims_confirmed += 1
-            return
-        self.stats.claims_refused += 1
-        req.disowned = body.status is not wire.ClaimStatus.REVOKED  # a revocation is acknowledged as usual
-        cause = {wire.ClaimStatus.EDITED: FailureCause.TICKET_EDITED,
-                 wire.ClaimStatus.REVOKED: FailureCause.REVOKED}.get(body.status, FailureCause.TICKET_REPLAYED)
-        if req.state in _LIVE:
-            self._end(req, TicketClaimError(request_id=req.request_id, nonce=req.ticket.nonce,
-                                            status=body.status.name.lower(), agent=sender), now, cause)
-
-    def _revoke(self, ref: wire.RequestRef, agent: str, until: float) -> None:
-        """Remember a revoked ticket; a request reading it fails (it must never be reported DONE)."""
-        self._tombstones.add(ref.request_id, ref.nonce, until)
-        req = self._requests.get(ref.request_id)
-        if req is not None and req.ticket.nonce == ref.nonce and req.state in _LIVE:
-            self._end(req, TicketRevokedError(request_id=ref.request_id, nonce=ref.nonce, agent=agent), self._clock(),
-                      FailureCause.REVOKED)
-
-    def _heartbeat(self, now: float) -> None:
-        """Every heartbeat interval: one Heartbeat per producer agent, naming each request waiting or reading."""
-        if now < self._next_heartbeat_at:
-            return
-        self._next_heartbeat_at = now + self.config.heartbeat_every_s
-        per_agent: dict[str, list[wire.RequestRef]] = {}
-        for req in self._requests.values():
-            link = req.link.resolve()
-            if req.state in _LIVE and link.state is LinkState.READY:
-                ref = wire.RequestRef(req.request_id, req.ticket.nonce)
-                for agent in link.agents.values():
-                    per_agent.setdefault(agent, []).append(ref)
-        for agent, refs in per_agent.items():
-            if self._is_lost(agent):
-                continue
-            message = wire.encode(wire.Heartbeat(consumer_rank=self.tp_rank, requests=tuple(refs)), self._digest)
-            if self._send(agent, message):
-                self.stats.heartbeats_sent += 1
-            else:
-                self.stats.heartbeat_failures += 1
-
-    def _lose(self, agent: str, error: BaseException) -> None:
-        record = self._records.setdefault(agent, PeerRecord(agent))
-        if record.stage is not PeerStage.GONE:
-            advance(record, PeerStage.GONE, self._clock())
-            record.error = error
-            log.warning("consumer %s: producer agent %s is gone: %s", self.agent.name, agent, error)
-
-    def _is_lost(self, agent: str) -> bool:
-        record = self._records.get(agent)
-        return record is not None and record.stage is PeerStage.GONE
-
-    def _lost_agent(self, link: EngineLink) -> str | None:
-        return next((a for a in link.agents.values() if self._is_lost(a)), None)
 
     def _deadline_error(self, req: ReadRequest) -> ReadDeadlineError:
         return ReadDeadlineError(request_id=req.request_id, deadline_s=self.config.read_deadline_s,
@@ -819,6 +711,8 @@ class Consumer:
         if self._closed:
             return
         self._closed = True
+        if hasattr(self, "_outbox"):
+            self._flush()  # completions still waiting leave before the Byes
         bye = None
         for agent, record in list(getattr(self, "_records", {}).items()):
             if record.stage in (PeerStage.GREETED, PeerStage.WELCOMED):

@@ -70,7 +70,8 @@ log = logging.getLogger(__name__)
 
 _MAX_EXPECTED_CONSUMERS = 1 << 16
 # What consumers send a producer rank; any other kind arriving as a notification is malformed.
-_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye, wire.Claim)
+_FROM_CONSUMERS = (wire.Completion, wire.Heartbeat, wire.Hello, wire.RevokeAck, wire.Bye, wire.Claim, wire.Claims,
+                   wire.Completions)
 
 
 @dataclass
@@ -467,7 +468,11 @@ class Producer:
             elif rank != record.rank:
                 self._reject("rank", sender)
                 return
-        if gone is not None and not isinstance(body, wire.Claim):
+        if isinstance(body, wire.Completions) and not all(
+                1 <= e.expected_consumers <= _MAX_EXPECTED_CONSUMERS for e in body.entries):
+            self.stats.malformed += 1
+            return
+        if gone is not None and not isinstance(body, (wire.Claim, wire.Claims)):
             self.stats.unknown_agent += 1  # sent before it died; only its claims still matter (lifecycle/gone.py)
             return
         if isinstance(body, wire.Completion):
@@ -478,6 +483,13 @@ class Producer:
             self._on_hello(sender, body, record)
         elif isinstance(body, wire.Claim):
             self._on_claim(sender, body)
+        elif isinstance(body, wire.Claims):
+            self._on_claims(sender, body)
+        elif isinstance(body, wire.Completions):  # batched per poll (version 8): each entry as one Completion
+            for e in body.entries:
+                self._on_completion(sender, wire.Completion(request_id=e.request_id, nonce=e.nonce,
+                                                            consumer_rank=body.consumer_rank,
+                                                            expected_consumers=e.expected_consumers, kind=e.kind))
         elif isinstance(body, wire.RevokeAck):
             heard = self._book.ack(body.request.request_id, body.request.nonce, sender)
             if heard is Heard.STALE:
@@ -541,16 +553,34 @@ class Producer:
             return
         self._count_report(sender, hold, body)
 
+    def _on_claims(self, sender: str, body: wire.Claims) -> None:
+        """A batched claim (version 8): each request judged as a single Claim, the verdicts in one reply."""
+        verdicts = []
+        for e in body.entries:
+            status = self._judge_claim(sender, wire.Claim(request_id=e.request_id, nonce=e.nonce,
+                                                          consumer_rank=body.consumer_rank, digest=e.digest))
+            if status is not None:
+                verdicts.append(wire.ClaimVerdict(wire.RequestRef(e.request_id, e.nonce), status))
+        if verdicts:
+            self._notify(sender, wire.ClaimReplies(consumer_rank=body.consumer_rank, verdicts=tuple(verdicts)))
+
     def _on_claim(self, sender: str, body: wire.Claim) -> None:
+        status = self._judge_claim(sender, body)
+        if status is not None:
+            self._notify(sender, wire.ClaimReply(request=wire.RequestRef(body.request_id, body.nonce),
+                                                 consumer_rank=body.consumer_rank, status=status))
+
+    def _judge_claim(self, sender: str, body: wire.Claim) -> wire.ClaimStatus | None:
         """Confirm a consumer rank's first claim on a live ticket this rank holds as given; refuse any other.
 
-        A claim of an agent NIXL reported disconnected revokes its hold instead (``_on_gone_claim``).
+        None when nothing is answered now: a claim of an agent NIXL reported disconnected revokes its hold
+        instead (``_on_gone_claim``), one for a request not held yet is answered at its hold.
         """
         hold = self._book.get(body.request_id)
         key = (body.request_id, body.nonce)
         if sender not in self._peers and sender in self._gone:
             self._on_gone_claim(sender, body, hold)
-            return
+            return None
         if hold is not None and hold.nonce == body.nonce:
             if hold.state is not HoldState.HELD:
                 status = wire.ClaimStatus.REVOKED
@@ -570,15 +600,14 @@ class Producer:
         else:  # not held yet (a scheduler issued the ticket): answered at its hold
             self.stats.claims_kept += 1
             self._early.keep(sender, body)  # type: ignore[arg-type]
-            return
+            return None
         if status is wire.ClaimStatus.CONFIRMED:
             self.stats.claims_confirmed += 1
         else:
             self.stats.claims_refused += 1
             log.info("producer %s: claim of %r by rank %d refused: %s", self.agent.name, body.request_id,
                      body.consumer_rank, status.name)
-        self._notify(sender, wire.ClaimReply(request=wire.RequestRef(body.request_id, body.nonce),
-                                             consumer_rank=body.consumer_rank, status=status))
+        return status
 
     def _on_gone_claim(self, sender: str, body: wire.Claim, hold: Hold | None) -> None:
         """A claim of a dead agent: it may have READs posted, and it will never report. Revoke the hold now."""

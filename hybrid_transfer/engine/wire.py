@@ -37,6 +37,11 @@ Version log:
   7: the production shape (issue 19): HandshakeReply.cause, last and defaulted (""), names why a
      producer refused in one word a consumer can act on ("secret", "capacity", "incompatible", "busy"),
      so a refused link stores that cause and a later ticket fails naming it (docs/security.md).
+  8: reads batched per step (issue 20, engine/read_batch.py): Claims (one per consumer agent, producer
+     agent and step: each request's nonce and digest), ClaimReplies (one verdict per request) and
+     Completions (one per producer agent per poll: request, nonce, expected consumers, kind), new kinds
+     15-17, each list at most MAX_BATCH entries. The single Claim, ClaimReply and Completion stay
+     (``read_batching="per_request"`` and claims kept for a later hold are answered one by one).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -56,7 +61,7 @@ from hybrid_transfer.errors import WireDecodeError, echo
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
@@ -77,6 +82,7 @@ Count = Annotated[int, msgspec.Meta(ge=0)]  # token counts, block ids, ranks, by
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 MAX_AUTH_BYTES = 64  # nonces and MACs (32 bytes each today)
 AuthBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)]
+MAX_BATCH = 1024  # entries of one Claims / ClaimReplies / Completions (version 8); a sender splits longer lists
 
 
 class Kind(enum.IntEnum):
@@ -94,6 +100,9 @@ class Kind(enum.IntEnum):
     SEALED = 12
     CLAIM = 13
     CLAIM_REPLY = 14
+    CLAIMS = 15  # version 8: batched per step (engine/read_batch.py)
+    CLAIM_REPLIES = 16
+    COMPLETIONS = 17
     # Pack mode, numbered apart so other additions never collide; 20 and 21 were issue 6's side-channel
     # StagingQuery / StagingReply (gone in version 6) and stay unused.
     STAGED = 22
@@ -161,6 +170,35 @@ class ClaimReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="c
     request: RequestRef
     consumer_rank: Count
     status: ClaimStatus
+
+
+class ClaimEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One request of a batched claim (version 8): what a single Claim says, less the consumer rank."""
+
+    request_id: RequestId
+    nonce: Nonce
+    digest: AuthBytes
+
+
+class Claims(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="claims"):
+    """Every request a consumer rank posted READs of to one producer agent in one step (version 8)."""
+
+    consumer_rank: Count
+    entries: Annotated[tuple[ClaimEntry, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+
+
+class ClaimVerdict(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """The producer rank's answer on one request of a batched claim."""
+
+    request: RequestRef
+    status: ClaimStatus
+
+
+class ClaimReplies(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="claim_replies"):
+    """The producer rank's verdicts on one Claims message, one per request answered now (version 8)."""
+
+    consumer_rank: Count
+    verdicts: Annotated[tuple[ClaimVerdict, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
 
 
 class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -232,6 +270,22 @@ class Completion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="c
     kind: CompletionKind = CompletionKind.DONE
 
 
+class CompletionEntry(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One request of a batched completion (version 8): what a single Completion says, less the consumer rank."""
+
+    request_id: RequestId
+    nonce: Nonce
+    expected_consumers: int
+    kind: CompletionKind
+
+
+class Completions(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="completions"):
+    """Every request a consumer rank finished with one producer rank during one poll (version 8)."""
+
+    consumer_rank: Count
+    entries: Annotated[tuple[CompletionEntry, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class ErrorReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="error"):
     """Answer to a message the listener could not decode."""
 
@@ -287,7 +341,7 @@ class Bye(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="bye"):
 
 
 Body = (HandshakeRequest | HandshakeReply | Completion | ErrorReply | Heartbeat | Hello | Welcome | Revoke
-        | RevokeAck | Bye | AuthChallenge | Sealed | Claim | ClaimReply)
+        | RevokeAck | Bye | AuthChallenge | Sealed | Claim | ClaimReply | Claims | ClaimReplies | Completions)
 _BODY_OF_KIND = {
     Kind.HANDSHAKE_REQUEST: HandshakeRequest,
     Kind.HANDSHAKE_REPLY: HandshakeReply,
@@ -303,6 +357,9 @@ _BODY_OF_KIND = {
     Kind.SEALED: Sealed,
     Kind.CLAIM: Claim,
     Kind.CLAIM_REPLY: ClaimReply,
+    Kind.CLAIMS: Claims,
+    Kind.CLAIM_REPLIES: ClaimReplies,
+    Kind.COMPLETIONS: Completions,
 }
 _ENCODER = msgspec.msgpack.Encoder()
 _ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)

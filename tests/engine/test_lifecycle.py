@@ -170,7 +170,15 @@ def pair(net, clock):
 
 
 def _completions(agent) -> list[wire.CompletionKind]:
-    return [wire.decode(m)[1].kind for _, m in agent.sent if wire.decode(m)[0].kind is wire.Kind.COMPLETION]
+    """Kinds of every completion the consumer sent, single (per_request) or batched per poll (per_step)."""
+    kinds = []
+    for _, m in agent.sent:
+        env, body = wire.decode(m)
+        if env.kind is wire.Kind.COMPLETION:
+            kinds.append(body.kind)
+        elif env.kind is wire.Kind.COMPLETIONS:
+            kinds.extend(e.kind for e in body.entries)
+    return kinds
 
 
 # ---- reads, failures and deadlines --------------------------------------------------------

@@ -161,14 +161,14 @@ def _worker_orders(state, key):
              "d-untyped": ReadOrder(msgspec.structs.replace(good, request_id="p-untyped"), local, N - 1),
              "d-outside": ReadOrder(msgspec.structs.replace(good, request_id="p-outside"),
                                     ((1, 2, 3, 10**6), (5,), (6,), (7,)), N - 1)}
-    real = worker.consumer.start_read
+    real = worker.consumer._admit  # what start_reads runs for each order of the step
 
-    def start_read(ticket, *args, **kwargs):
+    def admit(ticket, *args, **kwargs):
         if ticket.request_id == "p-untyped":
             raise zmq.ZMQError(zmq.EINVAL, "injected")
         return real(ticket, *args, **kwargs)
 
-    with mock.patch.object(worker.consumer, "start_read", start_read):
+    with mock.patch.object(worker.consumer, "_admit", admit):
         worker.start(HybridConnectorMetadata(reads=reads))
     _, recving, failed = worker.results()
     return recving, failed, worker.consumer.num_active

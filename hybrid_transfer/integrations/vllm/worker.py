@@ -24,6 +24,7 @@ from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.lifecycle.state import ReadState
 from hybrid_transfer.engine.producer import Producer
+from hybrid_transfer.engine.read_batch import Read
 from hybrid_transfer.engine.tickets import encode_rank_card
 from hybrid_transfer.errors import HybridTransferError, TicketError
 from hybrid_transfer.integrations.vllm import params as kvp
@@ -70,9 +71,10 @@ class WorkerSide:
         """Act on one step's orders; returns without waiting for the network, and never raises."""
         for rid, ticket in meta.holds.items():
             self._guarded("hold", rid, self._hold, rid, ticket)
-        for rid, order in meta.reads.items():
-            if not self._guarded("read", rid, self._read, rid, order):
-                self._fail(rid, None)  # the untyped failure left nothing to decline with
+        if meta.reads and not self._guarded("reads", "the step's reads", self._read_all, meta.reads):
+            for rid in meta.reads:  # an untyped failure of the whole call: none of them is tracked
+                if rid not in self._finished_recving and not any(r == rid for r, _ in self._reads.values()):
+                    self._fail(rid, None)
         for rid in meta.aborts:
             self._guarded("abort", rid, self._abort, rid)
         for rid, decline in meta.declines.items():
@@ -107,23 +109,31 @@ class WorkerSide:
                       self.tp_rank, rid, self.config.lease_s, str(exc)[:200])
             self._unheld[rid] = time.monotonic() + self.config.lease_s
 
-    def _read(self, rid: str, order: ReadOrder) -> None:
-        try:
-            ticket = kvp.recheck_ticket(order.ticket)
-            _check_local_ids(order, ticket, self.engine.cache.num_blocks)
-        except HybridTransferError as exc:
-            log.error("hybrid-transfer: read of %s refused by the worker's check: %s", rid, str(exc)[:200])
-            self._fail(rid, None)  # a ticket the worker refuses is not trusted with a decline either
+    def _read_all(self, reads: dict[str, ReadOrder]) -> None:
+        """Every read of the step in one consumer call (Consumer.start_reads: one READ and one claim per
+        producer agent with read_batching "per_step"); each refused order fails alone."""
+        checked: list[tuple[str, ReadOrder, object]] = []
+        for rid, order in reads.items():
+            try:
+                ticket = kvp.recheck_ticket(order.ticket)
+                _check_local_ids(order, ticket, self.engine.cache.num_blocks)
+            except HybridTransferError as exc:
+                log.error("hybrid-transfer: read of %s refused by the worker's check: %s", rid, str(exc)[:200])
+                self._fail(rid, None)  # a ticket the worker refuses is not trusted with a decline either
+                continue
+            checked.append((rid, order, ticket))
+        if not checked:
             return
-        key = ticket.request_id
-        try:
-            self.consumer.start_read(ticket, order.local_block_ids,
-                                     expected_state_position=order.expected_state_position)
-        except HybridTransferError as exc:
-            log.error("hybrid-transfer: read of %s refused before any byte moved: %s", rid, str(exc)[:200])
-            self._fail(rid, ticket)  # the producer frees now, not at lease expiry
-            return
-        self._reads[key] = (rid, order)
+        errors = self.consumer.start_reads([Read(ticket, order.local_block_ids, order.expected_state_position)
+                                            for _, order, ticket in checked])
+        for (rid, order, ticket), exc in zip(checked, errors, strict=True):
+            if exc is not None:
+                log.error("hybrid-transfer: read of %s refused before any byte moved: %s: %s", rid,
+                          type(exc).__name__, str(exc)[:200])
+                # Typed: the producer frees now, not at lease expiry; untyped: nothing to trust a decline with.
+                self._fail(rid, ticket if isinstance(exc, HybridTransferError) else None)
+            else:
+                self._reads[ticket.request_id] = (rid, order)
 
     def _fail_order(self, rid: str, fail: FailOrder) -> None:
         log.warning("hybrid-transfer: load of %s fails without moving a byte: %s", rid, fail.reason)
