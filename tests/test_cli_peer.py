@@ -30,3 +30,17 @@ def test_an_unknown_peer_is_a_usage_error(capsys):
         main(["bench", "--peer", "vllm"])
     assert exc.value.code == 2
     assert "--peer" in capsys.readouterr().err
+
+
+def test_bench_options_map_onto_the_peer_run(monkeypatch, capsys):
+    import hybrid_transfer.integrations.vllm_peer as peer
+
+    seen = []
+    monkeypatch.setattr(peer_run, "vllm_importable", lambda: True)
+    monkeypatch.setattr(peer, "run_side_by_side", lambda spec: seen.append(spec) or [])
+    assert main(["bench", "--peer", "vllm-nixl", "--preset", "qwen3.5-0.8b", "--tokens", "600", "--concurrency", "4",
+                 "--requests", "10", "--warmup", "5", "--rounds", "2", "--backend-threads", "3", "--seed", "9"]) == 0
+    [spec] = seen
+    assert (spec.preset, spec.tokens, spec.concurrency, spec.waves, spec.warmup, spec.rounds, spec.num_threads,
+            spec.seed) == ("qwen3.5-0.8b", 600, 4, 3, 2, 2, 3, 9)  # 10 requests in waves of 4: 3 waves
+    assert "600 tokens, 4 requests per wave, 3 timed waves (+2 warm-up) x 2 round(s)" in capsys.readouterr().out
