@@ -44,6 +44,7 @@ class WaveFigures:
     start_s: float  # inside start_load_kv, every step of the wave
     results_s: float  # inside get_transfer_results, every step of the wave
     nixl_s: float  # of those, inside NIXL agent calls on the worker's thread
+    descriptors: int  # local descriptors of the transfers the hooks created
     num_steps: int
     window_s: float  # first post -> last report
     cpu_s: float  # this process's CPU time over the wave
@@ -69,7 +70,7 @@ class _Host:
 
         e = self.engine
         times = e.times
-        first_step, first_result, nixl0 = len(times.start_s), len(times.results_s), times.nixl_s
+        first_step, first_result, nixl0, desc0 = len(times.start_s), len(times.results_s), times.nixl_s, times.descriptors
         ids = [r.request_id for r in requests]
         e.fence = set(ids)
         for r in requests:
@@ -98,7 +99,7 @@ class _Host:
             figures.append(RequestFigures(r.request_id, times.recv_t[r.request_id] - post_t,
                                           block_ids[r.request_id], nbytes, digest))
         return WaveFigures(tuple(figures), sum(times.start_s[first_step:]), sum(times.results_s[first_result:]),
-                           times.nixl_s - nixl0, len(times.start_s) - first_step, max(times.recv_t[i] for i in ids) - post_t, cpu_s)
+                           times.nixl_s - nixl0, times.descriptors - desc0, len(times.start_s) - first_step, max(times.recv_t[i] for i in ids) - post_t, cpu_s)
 
     def close(self) -> None:
         if self.engine is not None:

@@ -59,6 +59,7 @@ class HookTimes:
     start_s: list[float] = field(default_factory=list)  # per step: inside start_load_kv
     results_s: list[float] = field(default_factory=list)  # per step: inside get_transfer_results
     nixl_s: float = 0.0  # running total: inside NIXL agent calls made from the hooks on the worker's thread
+    descriptors: int = 0  # running total: local descriptors of the transfers created from the hooks
     in_hook: bool = False
     hook_thread: int = field(default_factory=threading.get_ident)
     step_start_t: list[float] = field(default_factory=list)  # per step: when start_load_kv was entered
@@ -73,6 +74,17 @@ NIXL_CALLS = ("prep_xfer_dlist", "make_prepped_xfer", "get_xfer_descs", "initial
               "get_xfer_telemetry")
 
 
+def _num_descriptors(name: str, args: tuple, kwargs: dict) -> int:
+    """Local descriptors of a transfer being created: prepped indices or a descriptor list (0 for other calls)."""
+    if name == "make_prepped_xfer":
+        ids = args[2] if len(args) > 2 else kwargs.get("local_indices", ())
+        return len(ids)
+    if name == "initialize_xfer":
+        descs = args[1] if len(args) > 1 else kwargs.get("local_descs")
+        return descs.descCount() if descs is not None else 0
+    return 0
+
+
 def _timed_nixl(agent_cls, times: HookTimes, stack: contextlib.ExitStack) -> None:
     """Time NIXL's agent calls made inside a hook on the worker's thread (class-level, undone by ``stack``)."""
     for name in NIXL_CALLS:
@@ -83,6 +95,7 @@ def _timed_nixl(agent_cls, times: HookTimes, stack: contextlib.ExitStack) -> Non
         def timed(self, *args, _original=original, **kwargs):
             if not times.in_hook or threading.get_ident() != times.hook_thread:
                 return _original(self, *args, **kwargs)
+            times.descriptors += _num_descriptors(_original.__name__, args, kwargs)
             t0 = time.perf_counter()
             try:
                 return _original(self, *args, **kwargs)

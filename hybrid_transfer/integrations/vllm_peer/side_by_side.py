@@ -100,6 +100,10 @@ class ConnectorResult:
         return self._per_request_ms([w.nixl_s for w in self.waves])
 
     @property
+    def descriptors_per_request(self) -> float:
+        return statistics.median(w.descriptors / self.concurrency for w in self.waves)
+
+    @property
     def start_ms(self) -> float:
         return self._per_request_ms([w.start_s for w in self.waves])
 
@@ -324,7 +328,9 @@ COLUMNS = ("connector", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "po
            "NIXL ms/req", "verified")
 NOTES = (
     "Columns as in `hybrid-transfer bench` ('-': not measured for a connector driven through vLLM's hooks). "
-    "GB/s: valid bytes of a wave / (start_load_kv of the step that carried its loads -> the last "
+    "desc/req: local descriptors of the transfers created inside the hooks, per request (NIXL's "
+    "make_prepped_xfer indices or initialize_xfer list). GB/s: valid bytes of a wave / (start_load_kv of the "
+    "step that carried its loads -> the last "
     "get_transfer_results reporting one), median wave. post ms: inside start_load_kv per request. ovh ms: the "
     "decode worker thread inside start_load_kv + get_transfer_results over every step of the wave, per request "
     "(the engine steps back to back, so waiting polls count). p50/p99 ms: start_load_kv entry -> the "
@@ -339,7 +345,8 @@ def table_rows(results: list[ConnectorResult]) -> list[list[str]]:
     rows = []
     for r in results:
         cpu_d, cpu_p = r.cpu_ms
-        rows.append([r.connector, f"{r.gbps:.2f}", "-", "-", "-", "-", f"{r.start_ms:.3f}",
+        rows.append([r.connector, f"{r.gbps:.2f}", "-", "-", f"{r.descriptors_per_request:.1f}", "-",
+                     f"{r.start_ms:.3f}",
                      "{:.3f} ({:.2f}-{:.2f})".format(r.worker_ms, *r.worker_ms_range()),
                      f"{r.p50_ms:.2f}", f"{r.p99_ms:.2f}", "-", "-", "-", f"{cpu_d:.2f} / {cpu_p:.2f}",
                      f"{r.steps:g}", f"{r.producer_ms:.3f}", f"{r.nixl_ms:.3f}", "yes"])
@@ -362,7 +369,8 @@ def to_json(spec: PeerSpec, results: list[ConnectorResult]) -> dict:
             "connector": r.connector, "gbps": r.gbps, "post_ms": r.start_ms, "worker_ms_per_request": r.worker_ms,
             "p50_ms": r.p50_ms, "p99_ms": r.p99_ms, "cpu_ms_per_request_decode": r.cpu_ms[0],
             "cpu_ms_per_request_prefill": r.cpu_ms[1], "steps_per_wave": r.steps,
-            "prefill_worker_ms_per_request": r.producer_ms, "nixl_ms_per_request": r.nixl_ms, "verified": True,
+            "prefill_worker_ms_per_request": r.producer_ms, "nixl_ms_per_request": r.nixl_ms,
+            "descriptors_per_request": r.descriptors_per_request, "verified": True,
         } for r in results],
         "same_requests": not same_requests(results),
     }
