@@ -84,3 +84,11 @@ def test_the_byte_check_names_a_changed_byte():
     raw[last, 0, TOKENS - 544 - 1, 0] ^= 0xFF
     raw[last, 0, TOKENS - 544, 0] ^= 0xFF  # the first position past the request's tokens: not compared
     assert compare(kvc, copy, ids, source, ids, TOKENS, "r")[0] == nbytes
+
+
+def test_a_run_the_host_cannot_hold_is_refused_before_any_process_starts():
+    from hybrid_transfer.errors import ConfigError
+    from hybrid_transfer.integrations.vllm_peer.side_by_side import engine_shape
+
+    with pytest.raises(ConfigError, match="requests of 131072 tokens need 3 caches of .* GiB free"):
+        engine_shape(PeerSpec(preset=PRESET, tokens=131072, concurrency=64))

@@ -37,6 +37,8 @@ from hybrid_transfer.integrations.vllm_peer.model import (
 
 log = logging.getLogger(__name__)
 
+CACHE_COPIES = 3  # prefill cache, decode cache, the decode process's regenerated source
+MEMORY_SHARE = 0.8  # of the host's free memory the caches may take
 CREATE_TIMEOUT_S = 300.0  # the decode process imports vLLM first (10-60 s on a loaded 2-core host)
 # What the toy proxy of vLLM's NIXL tests sends the prefill engine (both connectors read do_remote_decode).
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -211,8 +213,16 @@ def engine_shape(spec: PeerSpec) -> EngineShape:
                         num_threads=spec.num_threads)
     _, kvc = build_configs(VLLM_NIXL, "kv_both", probe)
     num_blocks = -(-blocks_per_request(kvc, spec.tokens) * spec.concurrency * 10 // 9) + 2
-    return EngineShape(spec.preset, spec.tokens, num_blocks=num_blocks, max_num_seqs=spec.concurrency,
-                       num_threads=spec.num_threads)
+    shape = EngineShape(spec.preset, spec.tokens, num_blocks=num_blocks, max_num_seqs=spec.concurrency,
+                        num_threads=spec.num_threads)
+    # The caches this host holds at once: prefill, decode and the decode process's copy of the source.
+    cache_bytes = sum(t.size for t in build_configs(VLLM_NIXL, "kv_both", shape)[1].kv_cache_tensors)
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if CACHE_COPIES * cache_bytes > MEMORY_SHARE * available:
+        raise ConfigError(f"{spec.concurrency} requests of {spec.tokens} tokens need {CACHE_COPIES} caches of "
+                          f"{cache_bytes / 2**30:.1f} GiB; this host has {available / 2**30:.1f} GiB free: lower "
+                          "--tokens or --concurrency", field="concurrency", value=spec.concurrency)
+    return shape
 
 
 def _prefill_wave(p, keys: list[str], num_prompt_tokens: int, deadline: float) -> dict[str, tuple[dict, tuple]]:
