@@ -16,7 +16,14 @@ timed by a wrapper; the consumer's Python work is the rest:
 Each repetition holds the same blocks under a new request id, reads them, and waits for the free.
 Medians over --reps (a first read per layout warms up).
 
+With ``--batch N`` (issue 20, docs/lifecycle.md#batched-reads) each repetition is one engine step of N
+requests started by one ``Consumer.start_reads`` call, under both ``read_batching`` settings
+("per_step": one READ and one Claims per producer agent; "per_request": each request alone). Its rows
+give the worker-thread wall time per request (the start_reads call plus every poll until all N are
+DONE, divided by N), NIXL's share of it and the Python rest, and the READs posted per step.
+
 Run: python benchmarks/request_overhead.py [--case p1d1|p2d8|small|all] [--device cpu|cuda] [--reps 20]
+     python benchmarks/request_overhead.py --case p1d1 --batch 16 [--reps 10]
 """
 
 from __future__ import annotations
@@ -174,6 +181,108 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
     consumer.close()
 
 
+def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, batch, batching) -> None:
+    """One step of ``batch`` requests per repetition through start_reads; worker-thread time per request."""
+    from hybrid_transfer import Consumer, EngineConfig, HybridCache
+    from hybrid_transfer.engine.read_batch import Read
+    from hybrid_transfer.verify import make_requests
+
+    geometry = _geometry(preset, decode_tp, 0)
+    consumer = Consumer(HybridCache.allocate(geometry, num_blocks, _device(device)),
+                        EngineConfig(read_batching=batching))
+    timed = _Timed(consumer.agent._agent)
+    consumer.agent._agent = timed
+    consumer.connect(conn.recv())
+    rows = []
+    for frag in (0.0, 1.0):
+        locals_ = make_requests(geometry, [tokens] * batch, num_blocks, rng=7, fragmentation=frag)
+        samples = []
+        for i in range(reps + 1):
+            tickets = conn.recv()
+            timed.spent = 0.0
+            posted0 = consumer.stats.reads_posted
+            t0 = time.perf_counter()
+            errors = consumer.start_reads([Read(t, local.block_ids, tokens) for t, local in zip(tickets, locals_,
+                                                                                               strict=True)])
+            start_s = time.perf_counter() - t0
+            if any(errors):
+                raise RuntimeError(f"start_reads refused: {errors}")
+            done, worker_s = [], start_s
+            while len(done) < batch:
+                p0 = time.perf_counter()
+                done += consumer.poll()
+                worker_s += time.perf_counter() - p0
+            bad = [r for r in done if not r.ok]
+            if bad:
+                raise RuntimeError(f"read failed: {bad[0].error}")
+            if i:  # the first step of each layout warms up
+                samples.append({"start_ms": 1e3 * start_s / batch, "worker_ms": 1e3 * worker_s / batch,
+                                "nixl_ms": 1e3 * timed.spent / batch,
+                                "python_ms": 1e3 * (worker_s - timed.spent) / batch,
+                                "reads_per_step": consumer.stats.reads_posted - posted0})
+            conn.send("next")
+        row = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
+        rows.append({"fragmentation": frag, "batching": batching, "batch": batch,
+                     "descriptors": done[0].num_descriptors, **row})
+    conn.send(rows)
+    consumer.close()
+
+
+def run_batched(case: str, reps: int, device: str, batch: int, batching: str) -> list[dict]:
+    """As run(), one step of ``batch`` requests per repetition (distinct blocks on both sides)."""
+    from hybrid_transfer.verify import make_requests
+
+    c = CASES[case]
+    preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
+    p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
+    # The producer may still hold the last step's requests (same blocks) when the next is held: room for three.
+    p_blocks, d_blocks = 3 * batch * _blocks_for(p_geo, tokens) + 2, batch * _blocks_for(d_geo, tokens) + 2
+    ctx = mp.get_context("spawn")
+    producers = []
+    for rank in range(p_tp):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_producer, args=(child, preset, p_tp, rank, p_blocks, device), daemon=True)
+        proc.start()
+        producers.append((proc, parent))
+    addresses = [conn.recv() for _, conn in producers]
+    if p_tp > 1:
+        for _, conn in producers:
+            conn.send(addresses)
+    c_parent, c_child = ctx.Pipe()
+    consumer = ctx.Process(target=_consumer_batch, args=(c_child, preset, d_tp, d_blocks, tokens, reps, device,
+                                                         batch, batching), daemon=True)
+    consumer.start()
+    c_parent.send(addresses[0])
+
+    def answer(conn, proc):
+        while not conn.poll(1.0):
+            if not proc.is_alive():
+                raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
+        return conn.recv()
+
+    n = 0
+    for frag in (0.0, 1.0):
+        remotes = make_requests(p_geo, [tokens] * batch, p_blocks, rng=3, fragmentation=frag)
+        for _ in range(reps + 1):
+            tickets = []
+            for remote in remotes:
+                n += 1
+                producers[0][1].send((f"req-{n}", remote.block_ids, tokens, None))
+                ticket = answer(producers[0][1], producers[0][0])
+                for proc, conn in producers[1:]:
+                    conn.send((f"req-{n}", remote.block_ids, tokens, ticket.nonce))
+                    answer(conn, proc)
+                tickets.append(ticket)
+            c_parent.send(tickets)
+            answer(c_parent, consumer)
+    rows = answer(c_parent, consumer)
+    consumer.join()
+    for proc, conn in producers:
+        conn.send(None)
+        proc.join()
+    return [{"case": case, "device": device, "tokens": tokens, **r} for r in rows]
+
+
 def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
     c = CASES[case]
     preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
@@ -231,10 +340,26 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="requests per step through start_reads, under both read_batching settings (1: start_read)")
     parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (by tottime, then cumulative) on stderr")
     args = parser.parse_args()
     if args.device == "cuda":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    if args.batch > 1:
+        cases = CASES if args.case == "all" else [args.case]
+        rows = [r for case in cases for batching in ("per_step", "per_request")
+                for r in run_batched(case, args.reps, args.device, args.batch, batching)]
+        if args.json:
+            print(json.dumps(rows, indent=1))
+            return
+        print(f"{'case':>5} {'dev':>4} {'batching':>11} {'batch':>5} {'frag':>4} {'descs':>5} {'READs/step':>10} "
+              f"{'worker ms/req':>13} {'nixl':>6} {'python':>6} {'start_reads ms/req':>18}")
+        for r in rows:
+            print(f"{r['case']:>5} {r['device']:>4} {r['batching']:>11} {r['batch']:>5} {r['fragmentation']:>4.1f} "
+                  f"{r['descriptors']:>5} {r['reads_per_step']:>10.0f} {r['worker_ms']:>13.3f} {r['nixl_ms']:>6.3f} "
+                  f"{r['python_ms']:>6.3f} {r['start_ms']:>18.3f}")
+        return
     rows = [r for case in (CASES if args.case == "all" else [args.case]) for r in run(case, args.reps, args.device, args.profile)]
     if args.json:
         print(json.dumps(rows, indent=1))
