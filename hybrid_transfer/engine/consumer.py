@@ -355,7 +355,9 @@ class Consumer(ProducerNotes):
         return results
 
     def _flush(self) -> None:
-        """per_step: send the completions this call produced, one Completions per producer agent."""
+        """per_step: post the staged READs made ready in this call (one per producer agent), then send its
+        completions, one Completions per producer agent."""
+        self._pack.flush()
         sent, failed = self._outbox.flush(self._send_body, self.tp_rank)
         self.stats.notifications_sent += sent
         self.stats.notify_failures += failed

@@ -47,7 +47,8 @@ def read_stats(state, key) -> dict:
     c = c.engine
     return {"reads_posted": c.stats.reads_posted, "claims_sent": c.stats.claims_sent,
             "notifications_sent": c.stats.notifications_sent, "live_handles": c.agent.num_live_handles,
-            "quarantined_blocks": c.num_quarantined_blocks,
+            "quarantined_blocks": c.num_quarantined_blocks, "packed_sources": c._pack.stats.packed_sources,
+            "staged_reads": c._pack.stats.staged_reads,
             "shared": {rid: [isinstance(h, SharedRead) for h in r.handles] for rid, r in c._requests.items()},
             "states": {rid: r.state.value for rid, r in c._requests.items()}}
 

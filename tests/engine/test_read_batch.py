@@ -16,6 +16,7 @@ from harness import TINY, RankSpec, hold_everywhere, start_consumers, start_prod
 from lifecycle_ops import abort, pause, resume, status, wait_results
 
 from hybrid_transfer.engine import EngineConfig
+from hybrid_transfer.plan.types import PlanMode
 from hybrid_transfer.verify import RequestLayout
 
 WAIT_S = 30.0
@@ -56,21 +57,25 @@ def _step(producers, c_worker, ck, names, first=0):
     return items, layouts
 
 
+@pytest.mark.parametrize("mode", [PlanMode.COALESCED, PlanMode.PACK])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_batched_and_per_request_calls_move_identical_verified_bytes(cluster, tp):
+def test_batched_and_per_request_calls_move_identical_verified_bytes(cluster, tp, mode):
     """P<tp> -> D1, four requests in one step: both settings verify every byte and leave identical caches;
-    per_step posts one READ and one claim message per producer agent, per_request one per request and agent."""
+    per_step posts one READ per producer agent (pack: of the four staged ranges, their Staged notifications
+    already in), per_request one per request and agent. Claims: one entry per request and agent either way."""
     workers = cluster.workers
     names = [f"r{i}" for i in range(4)]
     digests, stats = {}, {}
     for batching in ("per_step", "per_request"):
-        producers = start_producers(workers[:tp], [RankSpec(TINY, tp, r, NUM_BLOCKS) for r in range(tp)])
+        producers = start_producers(workers[:tp], [RankSpec(TINY, tp, r, NUM_BLOCKS) for r in range(tp)],
+                                    EngineConfig(mode=mode, staging_bytes=1 << 20))
         consumers = start_consumers([workers[tp]], [RankSpec(TINY, 1, 0, NUM_BLOCKS)],
-                                    EngineConfig(read_batching=batching))
+                                    EngineConfig(read_batching=batching, mode=mode, staging_bytes=1 << 20))
         c_worker, ck = workers[tp], consumers.keys[0]
         try:
             _connect(c_worker, ck, [producers])
             items, layouts = _step(producers, c_worker, ck, names)
+            c_worker.call("settle", 0.2)  # pack: every Staged notification is in before the step
             assert c_worker.call("call", start_reads, ck, items) == [None] * 4
             results = c_worker.call("call", wait_results, ck, names, WAIT_S)
             assert {rid: r["state"] for rid, r in results.items()} == dict.fromkeys(names, "done")
@@ -83,8 +88,14 @@ def test_batched_and_per_request_calls_move_identical_verified_bytes(cluster, tp
             consumers.close()
             producers.close()
     assert digests["per_step"] == digests["per_request"]
-    assert stats["per_step"]["reads_posted"] == tp and stats["per_request"]["reads_posted"] == 4 * tp
-    assert stats["per_step"]["claims_sent"] == stats["per_request"]["claims_sent"] == 4 * tp
+    step, alone = stats["per_step"], stats["per_request"]
+    assert step["claims_sent"] == alone["claims_sent"] == 4 * tp
+    if mode is PlanMode.PACK:  # every source staged: its READs are the pack reader's
+        assert step["packed_sources"] == alone["packed_sources"] == 4 * tp
+        assert (step["staged_reads"], alone["staged_reads"]) == (tp, 4 * tp)
+        assert step["reads_posted"] == alone["reads_posted"] == 0
+    else:
+        assert (step["reads_posted"], alone["reads_posted"]) == (tp, 4 * tp)
 
 
 def test_a_failed_handle_fails_exactly_its_requests(cluster):

@@ -62,9 +62,16 @@ def test_hetero_tp_with_different_block_sizes(model_dir, hosts, p_tp, d_tp):
         d.shutdown()
 
 
+def _consumer_counts(state, key) -> tuple[int, int, int]:
+    """Run in the decode rank's host: its consumer's READs posted, claim entries sent, requests reported DONE."""
+    stats = state.ranks[key].connector._worker._consumer.stats
+    return stats.reads_posted, stats.claims_sent, stats.done
+
+
 def test_concurrent_requests_short_and_full_block_prompts(model_dir, hosts):
     """Three requests in flight at once: a prompt shorter than a block, one whose N-1 tokens fill whole
-    blocks on both sides (no tail), and one with partial last blocks."""
+    blocks on both sides (no tail), and one with partial last blocks. Their loads start in one step, so
+    start_load_kv's one start_reads call posts one READ for all three (read_batching "per_step")."""
     p, d = _engines(model_dir, hosts, p_tp=1, d_tp=1)
     lengths = {"short": 10, "full": 97, "partial": 100}
     try:
@@ -80,6 +87,7 @@ def test_concurrent_requests_short_and_full_block_prompts(model_dir, hosts):
                   on_step=lambda e, r: received.update(r.finished_recving) if e is d else None)
         layouts = [(d.layout(f"d-{tag}", n - 1), seed_of(f"p-{tag}")) for tag, n in lengths.items()]
         d.call("check", layouts, True)
+        assert d.call("call", _consumer_counts) == (1, 3, 3)  # one READ, three claims: one step, one agent
         drain((p, d))
     finally:
         p.shutdown()

@@ -18,6 +18,10 @@ A staged source's steps (steps.py, changed only through ``step_to``):
               size disagreed with the plan's (a bug, logged as a warning), or no notification came
               within STAGED_WAIT_S (it was dropped: a full notification backlog, or evicted here)
 
+With read_batching "per_step" a READY source's READ is queued instead, and ``flush`` (called by the
+consumer at the end of each of its calls) posts every queued one as one READ per producer agent, each
+source holding a SharedRead of it (docs/lifecycle.md#batched-reads).
+
 Every fallback is counted (PackStats, ReadResult.num_fallback_sources). A producer rank that does
 not stage is named once in the log (a warning) and in every ReadResult it serves
 (``unstaged_sources``). The consumer notifies only once every source is DONE or DIRECT with its
@@ -39,7 +43,7 @@ import numpy as np
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import wire
-from hybrid_transfer.engine.agent import NixlAgent, XferHandle, XferState
+from hybrid_transfer.engine.agent import NixlAgent, SharedRead, XferHandle, XferState
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.lifecycle.state import ReadState
 from hybrid_transfer.engine.pack.calibrate import calibrate, cost_model, initial_cost
@@ -59,6 +63,7 @@ STAGED_WAIT_S = 1.0  # a posted source waits this long for its Staged notificati
 @dataclass
 class PackStats:
     packed_sources: int = 0
+    staged_reads: int = 0  # READs posted for them (read_batching "per_step": one per producer agent per call)
     fallback_absent: int = 0  # the source staged nothing for this request (its pool was full)
     fallback_unstaged: int = 0  # the source does not stage at all (not in pack or auto mode)
     fallback_pool_full: int = 0  # this rank's pool had no room for the read
@@ -116,6 +121,10 @@ class PackReader:
         self._warned: set[str] = set()  # producer agents named once as not staging
         self._notes: collections.OrderedDict = collections.OrderedDict()  # (agent, request id) -> Staged
         self._waiting: dict[tuple[str, str], tuple[_Track, _Source]] = {}  # (agent, request id) -> waiter
+        # read_batching "per_step" (engine/read_batch.py): staged READs ready during one consumer call, per
+        # producer agent, posted together by flush() as one READ per agent.
+        self._batched = config.read_batching == "per_step"
+        self._ready: dict[str, list[tuple[_Track, _Source, StagingSlice, wire.Staged, np.ndarray, np.ndarray]]] = {}
         if not self.enabled:
             return
         self.pool = StagingPool(config.staging_bytes, cache.device)
@@ -233,20 +242,54 @@ class PackReader:
         n = read.num_ranges
         local = np.stack([piece.addr + read.local_offset, read.length, np.full(n, self._device_id)], axis=1)
         remote = np.stack([reply.addr + read.remote_offset, read.length, np.full(n, reply.device_id)], axis=1)
+        if self._batched:
+            self._ready.setdefault(source.peer, []).append((track, source, piece, reply, local, remote))
+            return
         try:
             handle = self._agent.post_read(source.peer, local, remote)
         except EngineError as exc:
             self.pool.free(piece)
             track.error = track.error or exc
             return
+        self.stats.staged_reads += 1
+        self._posted(track, source, piece, reply, handle)
+
+    def _posted(self, track: _Track, source: _Source, piece: StagingSlice, reply: wire.Staged, handle) -> None:
         source.piece, source.handle, source.gather_s = piece, handle, reply.gather_s
         source.read_posted_at = self._clock()
-        log.debug("request %r source %d: %d ranges, waited %.3f ms, post %.3f ms", t.request_id,
-                  source.plan.source_rank, n, 1e3 * (source.answered_at - source.posted_at),
+        log.debug("request %r source %d: %d ranges, waited %.3f ms, post %.3f ms", track.req.request_id,
+                  source.plan.source_rank, source.plan.read.num_ranges, 1e3 * (source.answered_at - source.posted_at),
                   1e3 * (source.read_posted_at - source.answered_at))
-        step_to(source, SourceStep.READING, t.request_id)
+        step_to(source, SourceStep.READING, track.req.request_id)
         self.stats.packed_sources += 1
         _add_handle(track.req, handle)
+
+    def flush(self) -> None:
+        """read_batching "per_step": post the staged READs made ready since the last flush, one READ per producer
+        agent (each source holds a SharedRead of it). A source whose request ended meanwhile gives its slice
+        back; a READ NIXL refuses fails each of its requests (``track.error``)."""
+        ready, self._ready = self._ready, {}
+        for peer, items in ready.items():
+            live = []
+            for item in items:
+                if item[0].req.state is ReadState.READING:
+                    live.append(item)
+                else:
+                    self.pool.free(item[2])
+            if not live:
+                continue
+            try:
+                handle = self._agent.post_read(peer, np.concatenate([i[4] for i in live]),
+                                               np.concatenate([i[5] for i in live]))
+            except EngineError as exc:
+                for track, _, piece, *_ in live:
+                    self.pool.free(piece)
+                    track.error = track.error or exc
+                continue
+            self.stats.staged_reads += 1
+            for track, source, piece, reply, local, _ in live:
+                share = SharedRead(handle, int(local.shape[0]), int(local[:, 1].sum()))
+                self._posted(track, source, piece, reply, share)
 
     def _fallback(self, track: _Track, source: _Source, counter: str) -> None:
         setattr(self.stats, counter, getattr(self.stats, counter) + 1)
