@@ -207,3 +207,36 @@ def test_a_batched_report_counts_only_from_the_agent_whose_claim_was_confirmed(c
         stranger.close()
         decode.close()
         producers.close()
+
+
+def test_a_refused_claim_fails_only_its_own_request_of_the_shared_read(cluster):
+    """Engine D1 reads r (DONE, the producer frees it). Engine D2 then reads r and s in one step: one READ,
+    one Claims. The producer answers r ENDED and s CONFIRMED in one ClaimReplies: r fails (ticket_replayed)
+    and reports nothing, s is DONE with verified bytes from the same shared READ."""
+    workers = cluster.workers
+    producers = start_producers([workers[0]], [RankSpec(TINY, 1, 0, NUM_BLOCKS)])
+    first = start_consumers([workers[1]], [RankSpec(TINY, 1, 0, NUM_BLOCKS)])
+    second = start_consumers([workers[2]], [RankSpec(TINY, 1, 0, NUM_BLOCKS)])
+    p_worker, pk = workers[0], producers.keys[0]
+    w1, k1, w2, k2 = workers[1], first.keys[0], workers[2], second.keys[0]
+    try:
+        _connect(w1, k1, [producers])
+        _connect(w2, k2, [producers])
+        items, layouts = _step(producers, w1, k1, ["r", "s"])
+        assert w1.call("call", start_reads, k1, items[:1]) == [None]
+        assert w1.call("call", wait_results, k1, ["r"], WAIT_S)["r"]["state"] == "done"
+        assert p_worker.call("wait_freed", pk, ["r"], WAIT_S) == ["r"]
+        assert w2.call("call", start_reads, k2, items) == [None, None]
+        results = w2.call("call", wait_results, k2, ["r", "s"], WAIT_S)
+        assert {rid: (r["state"], r["cause"]) for rid, r in results.items()} == {
+            "r": ("failed", "ticket_replayed"), "s": ("done", None)}
+        st = w2.call("call", read_stats, k2)
+        assert (st["reads_posted"], st["claims_sent"], st["live_handles"], st["quarantined_blocks"]) == (1, 2, 0, 0)
+        w2.call("check", k2, layouts)  # s verified; the shared READ also filled r's blocks before they were let go
+        assert p_worker.call("wait_freed", pk, ["s"], WAIT_S) == ["s"]
+        stats = p_worker.call("producer_status", pk)["stats"]
+        assert (stats["claims_confirmed"], stats["claims_refused"], stats["completions"]) == (2, 1, 2)
+    finally:
+        second.close()
+        first.close()
+        producers.close()
