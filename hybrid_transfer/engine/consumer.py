@@ -6,6 +6,10 @@ waits on the network: a request for a producer engine not yet handshaked waits
 in WAITING_PEER, and poll() plans and posts it once the handshake completes.
 On CPU hosts UCX may copy the bytes inside the post itself (agent.py).
 
+start_reads takes every request of an engine step at once: each is admitted as start_read admits it,
+and with ``read_batching="per_step"`` they post one READ and one Claims per producer agent, their
+completions one Completions per producer agent per call (read_batch.py, docs/lifecycle.md#batched-reads).
+
 Lifecycle under faults (issue 5): after the handshake this rank says Hello to each producer
 agent (its metadata, so the producer can notify it) and READs from it only after its Welcome,
 which lists the tickets it revoked; a later Revoke fails the request (never DONE) and is

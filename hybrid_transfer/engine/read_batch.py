@@ -134,7 +134,11 @@ def send_claims(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]]) -> None:
 
 
 def post_step(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]], now: float) -> None:
-    """Post a step's admitted requests (each WAITING_PEER with its plan): claims first, then the READs."""
+    """Post a step's admitted requests (each WAITING_PEER with its plan): claims first, then the READs.
+
+    A request that is no longer waiting (ended meanwhile, or listed twice) is left out.
+    """
+    ready = list({id(req): (req, plan) for req, plan in ready if req.state is ReadState.WAITING_PEER}.values())
     if not ready:
         return
     groups: dict[int, tuple[Any, list]] = {}

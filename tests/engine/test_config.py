@@ -30,6 +30,8 @@ def test_defaults_are_valid_loopback_with_explicit_progress():
     ("split_batch_size", 0),
     ("staging_bytes", -1),
     ("staging_bytes", 1.5),
+    ("read_batching", "per_batch"),
+    ("read_batching", None),
 ])
 def test_a_bad_field_is_named_with_its_value(field, value):
     with pytest.raises(ConfigError) as info:
@@ -71,3 +73,11 @@ def test_ucx_thread_pool_defaults_follow_the_memory_kind_and_explicit_values_win
         "num_threads": "2", "split_batch_size": "8"}
     assert EngineConfig(num_backend_threads=0).backend_params(True) == {}  # no pool: a split size means nothing
     assert EngineConfig(split_batch_size=32).backend_params(True)["split_batch_size"] == "32"
+
+
+def test_read_batching_defaults_to_per_step_and_takes_per_request_from_a_dict():
+    assert EngineConfig().validate().read_batching == "per_step"
+    assert EngineConfig.from_dict({"read_batching": "per_request"}).read_batching == "per_request"
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict({"read_batching": "sometimes"})
+    assert info.value.field == "read_batching"
