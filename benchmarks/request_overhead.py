@@ -98,10 +98,26 @@ def _producer(conn, preset, tp_size, rank, num_blocks, device) -> None:
             if command is None:
                 break
             request_id, block_ids, tokens, nonce = command
-            conn.send(producer.hold(request_id, block_ids, tokens, nonce=nonce))
+            conn.send(_hold(producer, request_id, block_ids, tokens, nonce))
         producer.poll()
         time.sleep(0.0001)
     producer.close()
+
+
+def _hold(producer, request_id, block_ids, tokens, nonce, wait_s: float = 30.0):
+    """Hold, polling while the held-block cap is reached (the last step's holds free once their completions
+    are in)."""
+    from hybrid_transfer.errors import HoldCapacityError
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            return producer.hold(request_id, block_ids, tokens, nonce=nonce)
+        except HoldCapacityError:
+            if time.monotonic() > deadline:
+                raise
+            producer.poll()
+            time.sleep(0.0005)
 
 
 def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile) -> None:
@@ -235,8 +251,8 @@ def run_batched(case: str, reps: int, device: str, batch: int, batching: str) ->
     c = CASES[case]
     preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
     p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
-    # The producer may still hold the last step's requests (same blocks) when the next is held: room for three.
-    p_blocks, d_blocks = 3 * batch * _blocks_for(p_geo, tokens) + 2, batch * _blocks_for(d_geo, tokens) + 2
+    # The producer may still hold the last step's requests (same blocks) when the next is held (_hold waits).
+    p_blocks, d_blocks = 2 * batch * _blocks_for(p_geo, tokens) + 2, batch * _blocks_for(d_geo, tokens) + 2
     ctx = mp.get_context("spawn")
     producers = []
     for rank in range(p_tp):
