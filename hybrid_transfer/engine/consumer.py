@@ -717,8 +717,8 @@ class Consumer(ProducerNotes):
         if self._closed:
             return
         self._closed = True
-        if hasattr(self, "_outbox"):
-            self._flush()  # completions still waiting leave before the Byes
+        if hasattr(self, "_outbox"):  # completions still waiting leave before the Byes (no READ is posted now)
+            self._outbox.flush(self._send_body, self.tp_rank)
         bye = None
         for agent, record in list(getattr(self, "_records", {}).items()):
             if record.stage in (PeerStage.GREETED, PeerStage.WELCOMED):
