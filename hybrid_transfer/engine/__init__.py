@@ -3,7 +3,9 @@
 Transport core: config (EngineConfig), wire (messages and their version log), side_channel
 (ZeroMQ), handshake (its two tiers), agent (one NIXL agent; XferState of a READ handle), peers (a
 consumer's producer links), peer_record (one record per peer agent, one stage), inbox (a bounded
-amount of notifications per poll). The two ends built on it: producer, consumer.
+amount of notifications per poll). The two ends built on it: producer, consumer (with consumer_notes:
+its notifications to and from producer agents, declines: tickets it will not read, read_batch: a
+step's reads posted together, issue 20).
 lifecycle/ (request bookkeeping: no NIXL, no sockets, the engine's injected clock): state (request
 states and the one transition function), holds (a producer's holds, aborts and revocations), lease
 (expiry on the producer's clock), fences (engine step fences), quarantine (a consumer's blocks that
@@ -24,7 +26,7 @@ The doctor (`hybrid-transfer doctor`) lives in hybrid_transfer.doctor and reache
 # only agent and config) does not pay for torch through producer and consumer.
 _LAZY = {
     "EngineConfig": "config", "PrepStrategy": "config", "ProgressPolicy": "config",
-    "Consumer": "consumer", "Producer": "producer",
+    "Consumer": "consumer", "Producer": "producer", "Read": "read_batch",
     "FailureCause": "lifecycle.state", "HoldState": "lifecycle.state",
     "ReadResult": "lifecycle.state", "ReadState": "lifecycle.state",
     "Ticket": "wire", "decode_ticket": "wire", "encode_ticket": "wire",
