@@ -306,7 +306,7 @@ class Consumer(ProducerNotes):
         link = self._link_for(ticket) if signed else EngineLink(ticket.engine_key, ticket.addresses, now,
                                                                  LinkState.FAILED, cause="mac")
         req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
-                          changed_at=now)
+                          changed_at=now, digest=claims.digest_of(ticket))  # the MAC check's, cached
         plan = self._plan(req, ids) if ready else None  # PlanError: nothing registered yet
         self._requests[rid] = req
         for group in local:

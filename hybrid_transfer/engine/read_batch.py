@@ -122,7 +122,7 @@ def send_claims(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]]) -> None:
     for req, plan in ready:
         link = req.link.resolve()
         t = req.ticket
-        entry = wire.ClaimEntry(request_id=t.request_id, nonce=t.nonce, digest=claims.digest_of(t))
+        entry = wire.ClaimEntry(request_id=t.request_id, nonce=t.nonce, digest=req.digest or claims.digest_of(t))
         for agent in dict.fromkeys(link.agents[src.source_rank] for src in plan.sources):
             req.awaiting_claims.add(agent)
             per_agent.setdefault(agent, []).append(entry)

@@ -91,6 +91,7 @@ class ReadRequest:
     cause: FailureCause | None = None
     awaiting_claims: set = field(default_factory=set)  # source agents that have not confirmed our claim (engine/claims.py)
     disowned: bool = False  # a claim was refused: this rank tells the producers nothing about the request
+    digest: bytes = b""  # claims.ticket_digest of the ticket, kept for its claim (a step's claims go out together)
 
 
 @dataclass(eq=False)
