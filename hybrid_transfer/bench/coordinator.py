@@ -6,7 +6,8 @@ each round and every figure comes from the variant's median-GB/s round):
   warmup  ``--warmup`` requests through the same path (first READs wire up UCX connections)
   poison  decode caches and ceiling buffers back to 0xA5 (with --verify)
   timed   prefill ranks hold every request (hold time recorded), enter ``serve``; decode ranks start
-          together at a shared monotonic instant and keep ``--concurrency`` requests in flight
+          together at a shared monotonic instant and keep ``--concurrency`` requests in flight, starting
+          up to ``--per-step`` of them in one Consumer.start_reads call per round (a decode step)
   verify  every request against the global-coordinate oracle (with --verify), outside the window
   plan    each decode rank plans the same requests again, timed one by one (engine variants)
 The coordinator passes block ids, tickets and results over pipes as typed messages (bench.messages);
@@ -265,7 +266,7 @@ class Coordinator:
                     incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
                     staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
                     kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, post_thread=s.post_thread,
-                    serve_sleep_s=serve_sleep_s)))
+                    serve_sleep_s=serve_sleep_s, read_batching=s.read_batching)))
         started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
             c.recv(m.Done)
@@ -378,7 +379,8 @@ class Coordinator:
         holds = [held0.hold_s] + [h.hold_s for h in _all(self.producers[1:], m.Hold(rids, p_layouts, nonces), m.Held)]
         items = [m.EngineItem(rid, t, c.block_ids, c.num_tokens) for rid, t, c in zip(rids, tickets, c_layouts,
                                                                                        strict=True)]
-        runs, serves = self._timed(rids, lambda _d, start_at: m.RunEngine(items, self.spec.concurrency, start_at))
+        runs, serves = self._timed(rids, lambda _d, start_at: m.RunEngine(items, self.spec.concurrency, start_at,
+                                                                             per_step=self.spec.step_size))
         missing = {p.rank: sorted(set(rids) - p.freed_at.keys()) for p in serves if set(rids) - p.freed_at.keys()}
         if missing:
             raise BenchError(f"prefill ranks never freed these requests (lost notifications?): {missing}",
@@ -429,7 +431,8 @@ class Coordinator:
 
     def _ceiling_phase(self, rids: list[str], lengths: list[dict[int, int]], copy: bool = False):
         run = m.RunCopy if copy else m.RunCeiling
-        return self._timed([], lambda d, start_at: run(rids, lengths[d], self.spec.concurrency, start_at))
+        return self._timed([], lambda d, start_at: run(rids, lengths[d], self.spec.concurrency, start_at,
+                                                      per_step=self.spec.step_size))
 
 
 def point_spec(spec: BenchSpec, point: Point) -> BenchSpec:

@@ -44,13 +44,14 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     split_batch_size: int | None = None  # EngineConfig.split_batch_size (None: its default)
     post_thread: bool | None = None  # EngineConfig.post_thread (None: its default)
     serve_sleep_s: float = 0.001  # prefill ranks' wait between polls in a timed window (0: spin with sched_yield)
+    read_batching: str = "per_step"  # EngineConfig.read_batching of decode ranks
 
     def engine_config(self, **fields):
         """The EngineConfig of this rank's agents: the run's UCX backend settings, plus ``fields``."""
         from hybrid_transfer.engine.config import EngineConfig
 
         return EngineConfig(num_backend_threads=self.backend_threads, split_batch_size=self.split_batch_size,
-                            post_thread=self.post_thread, **fields)
+                            post_thread=self.post_thread, read_batching=self.read_batching, **fields)
 
 
 class EngineItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -134,6 +135,7 @@ class RunEngine(Command):
     items: list[EngineItem]
     concurrency: int
     start_at: float
+    per_step: int = 1  # requests started together in one Consumer.start_reads call at most
 
 
 class PlanTimes(Command):
@@ -177,6 +179,7 @@ class RunCeiling(Command):
     lengths: dict[int, int]  # source rank -> bytes per request
     concurrency: int
     start_at: float
+    per_step: int = 1  # posts per round at most (a step, as RunEngine's)
 
 
 class CeilingVerify(Command):
@@ -208,6 +211,7 @@ class RunCopy(Command):
     lengths: dict[int, int]
     concurrency: int
     start_at: float
+    per_step: int = 1  # posts per round at most (a step, as RunEngine's)
 
 
 class CopyVerify(Command):

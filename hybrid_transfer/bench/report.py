@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from typing import Any
 
 from hybrid_transfer.bench import sizing, vllm_pool
@@ -14,7 +15,11 @@ from hybrid_transfer.bench.stats import VariantStats, ratio
 _FIGURES = ("gbps", "gbps_rounds", "descriptors_per_request", "pieces_per_request", "plan_ms", "post_ms",
             "completion_ms", "overhead_ms", "p50_ms", "p99_ms", "notify_lag_p50_ms", "notify_lag_p99_ms", "hold_ms",
             "consumer_cpu_s", "producer_cpu_s", "window_s", "gather_ms", "query_ms", "scatter_ms", "packed_sources",
-            "fallback_sources", "read_ms", "settle_ms", "consumer_cpu_ms_per_request", "producer_cpu_ms_per_request")
+            "fallback_sources", "read_ms", "settle_ms", "consumer_cpu_ms_per_request", "producer_cpu_ms_per_request",
+            "hook_ms", "hook_nixl_ms", "hook_python_ms", "requests_per_step")
+
+
+NOTE_WIDTH = 100  # the default summary's notes, wrapped (plain text)
 
 
 def _round(x: Any) -> Any:
@@ -34,7 +39,7 @@ def common_record(result: BenchResult) -> dict[str, Any]:
         "concurrency": s.concurrency, "device": s.device.value, "mode": s.mode.value,
         "kv_dtype": s.kv_dtype or "model", "kv_layout": s.kv_layout, "seed": s.seed, "warmup": s.warmup, "rounds": s.rounds,
         "backend_threads": s.backend_threads, "split_batch_size": s.split_batch_size, "post_thread": s.post_thread,
-        "allocation": s.allocation,
+        "allocation": s.allocation, "per_step": s.step_size, "read_batching": s.read_batching,
     }
     if s.allocation == "vllm-pool":  # what the churn ran in (the largest point's pools; bench/vllm_pool.py)
         record["pool_blocks"] = [sizing.pool_blocks(s, True), sizing.pool_blocks(s, False)]
@@ -91,9 +96,14 @@ def headline(result: BenchResult) -> str:
     shape = f"{s.preset}  P{s.prefill_tp} -> D{s.decode_tp}  {s.device.value}"
     if s.sweep is Sweep.NONE:
         mb = result.points[0].payload_bytes_per_request / 1e6
-        return (f"{shape}  {p.tokens} tokens x {s.requests} requests ({mb:,.1f} MB each), concurrency "
-                f"{s.concurrency}, {_allocation(s, p)}, mode {s.mode.value}")
-    return f"{shape}  sweep {s.sweep.value}, {s.requests} requests per point, concurrency {s.concurrency}"
+        return (f"{shape}  {p.tokens} tokens x {s.requests} requests ({mb:,.1f} MB each), mode {s.mode.value}\n"
+                f"concurrency {s.concurrency}, {_steps(s)}, {_allocation(s, p)}")
+    return (f"{shape}  sweep {s.sweep.value}, {s.requests} requests per point, mode {s.mode.value}\n"
+            f"concurrency {s.concurrency}, {_steps(s)}")
+
+
+def _steps(s: BenchSpec) -> str:
+    return f"{s.step_size} per step ({s.read_batching})"
 
 
 def _allocation(s: BenchSpec, p: Point) -> str:
@@ -125,8 +135,8 @@ def table_rows(result: BenchResult) -> list[list[str]]:
                 _fmt(ratio(st.gbps, ceiling)),
                 "-" if name in (Variant.CEILING.value, Variant.COPY.value) else _fmt(ratio(st.gbps, naive)),
                 _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
-                _fmt(st.overhead_ms, 3), _fmt(st.p50_ms),
-                _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
+                _fmt(st.overhead_ms, 3), _fmt(st.hook_ms, 3), _fmt(st.hook_nixl_ms, 3), _fmt(st.hook_python_ms, 3),
+                _fmt(st.p50_ms), _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
                 "-" if st.gather_ms is None else f"{st.gather_ms:.3f} / {st.scatter_ms:.3f}",
                 f"{sum(st.consumer_cpu_s):.2f} / {sum(st.producer_cpu_s):.2f}",
                 "yes" if st.verified else "no",
@@ -135,8 +145,13 @@ def table_rows(result: BenchResult) -> list[list[str]]:
     return rows
 
 
-COLUMNS = ("variant", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post ms", "ovh ms", "p50 ms", "p99 ms",
-           "lag ms", "hold ms", "gather/scatter ms", "CPU s d/p", "verified")
+COLUMNS = ("variant", "GB/s", "/ceiling", "/naive", "desc/req", "plan ms", "post ms", "ovh ms", "hook ms", "nixl ms",
+           "py ms", "p50 ms", "p99 ms", "lag ms", "hold ms", "gather/scatter ms", "CPU s d/p", "verified")
+HOOK_NOTE = (
+    "hook ms: the decode rank's worker-thread wall time per request in the engine's hooks (the start_reads "
+    "calls, --per-step requests each, and the polls that collected results; not the empty polls between "
+    "steps), nixl ms: NIXL's own calls in it, py ms: the rest (our Python)."
+)
 NOTES = (
     "*: the chosen --mode. GB/s: valid payload bytes of all decode ranks / (first post -> last request DONE), "
     "bytes in their final place, the same count for every variant (naive moves whole pages; their unused tails "
@@ -144,7 +159,7 @@ NOTES = (
     "desc/req: READ descriptors planned per request, all decode ranks (posted as planned: NIXL's direct path "
     "does not merge). plan ms: median planner time per request and rank, measured again outside the window. "
     "post ms: median time inside start_read (plan + validation + post; on CPU, UCX may copy inside the post). "
-    "ovh ms: post + the share of the poll that saw DONE (per-request CPU overhead). p50/p99 ms: request "
+    "ovh ms: post + the share of the poll that saw DONE (per-request CPU overhead). " + HOOK_NOTE + " p50/p99 ms: request "
     "latency, post -> DONE on each decode rank. lag ms: consumer notify -> producer free (median). hold ms: "
     "producer hold per request. gather/scatter ms: pack only, the producer's gather (done at hold, off the "
     "critical path; asynchronous on GPU, so not inside hold ms there) and the consumer's scatter (inside the "
@@ -184,6 +199,61 @@ def split_rows(result: BenchResult) -> list[list[str]]:
     return rows
 
 
+COMPACT_COLUMNS = ("variant", "GB/s", "rounds", "/ceil", "/naive", "desc", "hook", "nixl", "py", "p50", "ok")
+COMPACT_LEAD = {"fragmentation": "frag", "tokens": "tokens"}  # the swept value's header
+COMPACT_NOTES = (
+    "*: the chosen --mode. GB/s: valid payload bytes / (first post -> last DONE), the median round's; rounds: "
+    "the rounds' min-max. /ceil, /naive: GB/s over the ceiling's (one READ per source) and naive's (vLLM's "
+    "scheme). desc: READ descriptors per request. In ms: " + HOOK_NOTE.replace(" ms:", ":") + " p50: post "
+    "-> DONE, median. ok: bytes verified. --wide: every column and the time split (docs/benchmarks.md#reading-the-table)."
+)
+
+
+def compact_rows(result: BenchResult) -> list[list[str]]:
+    """Rows of the default summary (COMPACT_COLUMNS), one per (point, variant): fits 100 columns."""
+    s = result.spec
+    rows = []
+    for pr in result.points:
+        ceiling = pr.stats[Variant.CEILING.value].gbps
+        naive = pr.stats[Variant.NAIVE.value].gbps
+        for name, st in pr.stats.items():
+            row = [str(getattr(pr.point, s.sweep.value))] if s.sweep is not Sweep.NONE else []
+            limit = name in (Variant.CEILING.value, Variant.COPY.value)
+            row += [
+                name + ("*" if name == s.mode.value else ""), _num(st.gbps),
+                f"{_short(min(st.gbps_rounds))}-{_short(max(st.gbps_rounds))}" if len(st.gbps_rounds) > 1 else "-",
+                _fmt(ratio(st.gbps, ceiling)), "-" if limit else _fmt(ratio(st.gbps, naive)),
+                _compact_count(st.descriptors_per_request), _num(st.hook_ms, 3), _num(st.hook_nixl_ms, 3),
+                _num(st.hook_python_ms, 3), _num(st.p50_ms), "yes" if st.verified else "no",
+            ]
+            rows.append(row)
+    return rows
+
+
+def _num(x: float | None, digits: int = 2) -> str:
+    """Like _fmt, with fewer decimals as the value grows (the default summary's cells stay narrow)."""
+    if x is None:
+        return "-"
+    return f"{x:,.0f}" if x >= 1000 else f"{x:.1f}" if x >= 100 else f"{x:.{digits}f}"
+
+
+def _short(x: float) -> str:
+    """Three significant figures or more, no separators: a rounds range stays narrow."""
+    return f"{x:.0f}" if x >= 100 else f"{x:.1f}" if x >= 10 else f"{x:.2f}"
+
+
+def _compact_count(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def advice_lines(result: BenchResult) -> list[str]:
+    """Lines that say what a figure cannot show: one round is one window on a possibly busy host."""
+    if result.spec.rounds == 1:
+        return ["one round: each figure is a single window, which a busy host can move by a third; "
+                "use --rounds 3 (or more) before comparing variants"]
+    return []
+
+
 def staged_lines(result: BenchResult) -> list[str]:
     """Per point, for auto and pack: each round's staged source reads per request on every decode rank (auto's
     choice per rank and round: 0 is direct; docs/planner.md#auto)."""
@@ -210,34 +280,54 @@ def _plain(header: list[str], rows: list[list[str]]) -> list[str]:
     return lines
 
 
-def plain_table(result: BenchResult) -> str:
-    """The summary and time-split tables as plain text (where rich is not installed, e.g. a bare GPU image)."""
+def plain_table(result: BenchResult, wide: bool = False) -> str:
+    """The summary as plain text (where rich is not installed, e.g. a bare GPU image): the 100-column one, or
+    with ``wide`` every column and the time-split table."""
     lead = [result.spec.sweep.value] if result.spec.sweep is not Sweep.NONE else []
-    lines = [headline(result), ""] + _plain(lead + list(COLUMNS), table_rows(result))
-    lines += ["", NOTES, "", SPLIT_TITLE, ""] + _plain(lead + list(SPLIT_COLUMNS), split_rows(result))
-    lines += ["", SPLIT_NOTES] + staged_lines(result) + [f"warning: {w}" for w in result.warnings]
+    lines = headline(result).splitlines() + [""]
+    if not wide:
+        lines += _plain([COMPACT_LEAD[x] for x in lead] + list(COMPACT_COLUMNS), compact_rows(result))
+        lines += [""] + textwrap.wrap(COMPACT_NOTES, NOTE_WIDTH)
+    else:
+        lines += _plain(lead + list(COLUMNS), table_rows(result))
+        lines += ["", NOTES, "", SPLIT_TITLE, ""] + _plain(lead + list(SPLIT_COLUMNS), split_rows(result))
+        lines += ["", SPLIT_NOTES]
+    tail = staged_lines(result) + advice_lines(result) + [f"warning: {w}" for w in result.warnings]
+    lines += tail if wide else [w for line in tail for w in textwrap.wrap(line, NOTE_WIDTH)]
     return "\n".join(lines)
 
 
-def print_table(result: BenchResult, console) -> None:
-    """The rich summary and time-split tables on ``console``."""
-    console.print(_rich_table(result, headline(result), COLUMNS, table_rows(result)))
-    console.print(NOTES, style="dim")
-    console.print(_rich_table(result, SPLIT_TITLE, SPLIT_COLUMNS, split_rows(result)))
-    console.print(SPLIT_NOTES, style="dim")
-    for line in staged_lines(result):
-        console.print(line)
+def print_table(result: BenchResult, console, wide: bool = False) -> None:
+    """The rich summary on ``console``: the 100-column one, or with ``wide`` every column and the time split."""
+    if not wide:
+        console.print(headline(result))  # above the table, not its title: a title wraps at the table's width
+        console.print(_rich_table(result, None, COMPACT_COLUMNS, compact_rows(result), compact=True))
+        console.print("\n".join(textwrap.wrap(COMPACT_NOTES, NOTE_WIDTH)), style="dim")
+    else:
+        console.print(_rich_table(result, headline(result), COLUMNS, table_rows(result)))
+        console.print(NOTES, style="dim")
+        console.print(_rich_table(result, SPLIT_TITLE, SPLIT_COLUMNS, split_rows(result)))
+        console.print(SPLIT_NOTES, style="dim")
+    def lines(text: str) -> str:  # the default summary's lines stay within NOTE_WIDTH on a wide terminal too
+        return text if wide else "\n".join(textwrap.wrap(text, NOTE_WIDTH))
+
+    for line in staged_lines(result) + advice_lines(result):
+        console.print(lines(line))
     for w in result.warnings:
-        console.print(f"warning: {w}", style="yellow")
+        console.print(lines(f"warning: {w}"), style="yellow")
 
 
-def _rich_table(result: BenchResult, title: str, columns, rows):
-    """One rich table: the swept value first (when there is a sweep), then ``columns``."""
+def _rich_table(result: BenchResult, title: str | None, columns, rows, compact: bool = False):
+    """One rich table: the swept value first (when there is a sweep), then ``columns``; ``compact``: no
+    vertical rules (the default summary must fit 100 columns)."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=title, title_justify="left")
+    table = Table(title=title, title_justify="left", box=None if compact else box.HEAVY_HEAD,
+                  pad_edge=not compact, show_edge=not compact)
     if result.spec.sweep is not Sweep.NONE:
-        table.add_column(result.spec.sweep.value, justify="right")
+        sweep = result.spec.sweep.value
+        table.add_column(COMPACT_LEAD[sweep] if compact else sweep, justify="right")
     for i, col in enumerate(columns):
         table.add_column(col, justify="left" if i == 0 else "right")
     for row in rows:

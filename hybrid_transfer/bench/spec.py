@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import msgspec
 
+from hybrid_transfer.engine.config import READ_BATCHING
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, DType, KVLayout, load_preset
 from hybrid_transfer.layout.model import context_tokens
@@ -83,6 +84,10 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (vLLM 0.33's shared block pool after a churn of requests, bench/vllm_pool.py)
     allocation: str = "fragmentation"
     transport: str = "shm"  # bench/transport.py: shm (UCX's choice on one host) or tcp (UCX limited to TCP)
+    # Decode steps: up to per_step requests start together in one Consumer.start_reads call (None: concurrency),
+    # posted as EngineConfig.read_batching says (docs/lifecycle.md#batched-reads)
+    per_step: int | None = None
+    read_batching: str = "per_step"
 
     ALLOCATIONS: ClassVar[tuple[str, ...]] = ("fragmentation", "vllm-pool")
 
@@ -135,9 +140,19 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             _bad("transport", self.transport, "must be one of ['shm', 'tcp']")
         if self.transport == "tcp" and self.device is not Device.CPU:
             _bad("transport", self.transport, "is measured on CPU only (GPU memory over TCP needs cuda_copy too)")
+        if self.per_step is not None and not 1 <= self.per_step <= self.concurrency:
+            _bad("per_step", self.per_step, f"must lie in [1, concurrency {self.concurrency}]: a step starts at "
+                 "most the requests that may be in flight")
+        if self.read_batching not in READ_BATCHING:
+            _bad("read_batching", self.read_batching, f"must be one of {list(READ_BATCHING)}")
         if self.sweep is Sweep.NONE and self.sweep_values:
             _bad("sweep_values", self.sweep_values, "need --sweep fragmentation or --sweep tokens")
         return self
+
+    @property
+    def step_size(self) -> int:
+        """Requests a decode rank starts in one start_reads call at most (--per-step, default --concurrency)."""
+        return self.concurrency if self.per_step is None else self.per_step
 
     @property
     def cache_options(self) -> CacheOptions:

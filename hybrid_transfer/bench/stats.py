@@ -65,6 +65,11 @@ class ConsumerRun(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: int
     timings: tuple[RequestTiming, ...]
     cpu_s: float
+    # The engine's worker-thread hooks in the window (bench/hooks.py): wall seconds inside the start_reads
+    # calls and the polls that returned results, NIXL's own calls among them, and the start_reads calls made.
+    hook_s: float = 0.0
+    hook_nixl_s: float = 0.0
+    steps: int = 0
 
 
 class ProducerServe(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -124,6 +129,12 @@ class VariantStats:
     # through staging per request (0: every source direct); staged_rounds: the same for every round, in round order.
     staged_per_rank: tuple[float, ...] = ()
     staged_rounds: tuple[tuple[float, ...], ...] = ()
+    # Engine variants: worker-thread wall time per (decode rank, request) in the hooks (the start_reads calls
+    # and the polls that collected results), NIXL's calls in it, the Python rest; requests per start_reads call.
+    hook_ms: float | None = None
+    hook_nixl_ms: float | None = None
+    hook_python_ms: float | None = None
+    requests_per_step: float | None = None
 
 
 def percentile(values: Iterable[float], q: float) -> float:
@@ -224,9 +235,21 @@ def summarize(variant: str, runs: Sequence[ConsumerRun], serves: Sequence[Produc
         consumer_cpu_ms_per_request=sum(r.cpu_s for r in runs) / len(timings) * 1e3,
         producer_cpu_ms_per_request=(sum(s.cpu_s for s in serves) / (num_requests * len(serves)) * 1e3
                                      if serves else 0.0),
+        **_hook_figures(runs, len(timings)),
         staged_per_rank=tuple(sum(t.packed_sources for t in r.timings) / len(r.timings) if r.timings else 0.0
                               for r in sorted(runs, key=lambda r: r.rank)),
     )
+
+
+def _hook_figures(runs: Sequence[ConsumerRun], num_timings: int) -> dict[str, float | None]:
+    """Hook time per (decode rank, request), whole window; None for runs without steps (ceiling, copy)."""
+    steps = sum(r.steps for r in runs)
+    if not steps:
+        return {}
+    hook = sum(r.hook_s for r in runs) / num_timings * 1e3
+    nixl = sum(r.hook_nixl_s for r in runs) / num_timings * 1e3
+    return {"hook_ms": hook, "hook_nixl_ms": nixl, "hook_python_ms": hook - nixl,
+            "requests_per_step": num_timings / steps}
 
 
 def median_round(rounds: Sequence[VariantStats]) -> VariantStats:

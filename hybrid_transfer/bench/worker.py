@@ -190,30 +190,50 @@ def close_consumer(rank: _Rank, cmd: m.CloseConsumer) -> m.Reply:
 
 
 def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
-    """A decode rank's timed window: keep ``concurrency`` requests in flight until all are DONE."""
-    from hybrid_transfer.engine import decode_ticket
+    """A decode rank's timed window: keep ``concurrency`` requests in flight until all are DONE.
+
+    Each round is one decode step as vLLM's worker runs it: the requests that may start (up to ``per_step``
+    and the free places in flight) start in one ``Consumer.start_reads`` call, then one poll collects
+    results. Hook time: the start_reads calls and the polls that returned results, NIXL's calls timed apart
+    (bench/hooks.py); the empty polls of the spin between steps are not counted (vLLM polls once a step).
+    """
+    from hybrid_transfer.bench.hooks import time_nixl_calls
+    from hybrid_transfer.engine import Read, decode_ticket
 
     consumer = rank.consumer
+    timer = time_nixl_calls(consumer)
     queue = collections.deque((it.request_id, decode_ticket(it.ticket), it.local_block_ids, it.num_tokens)
                               for it in cmd.items)
     in_flight: dict[str, tuple[float, float, int]] = {}
     timings: list[RequestTiming] = []
+    hook_s = hook_nixl_s = 0.0
+    steps = 0
     _sleep_until(cmd.start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
-        # One post per round, then a poll: on CPU the copy may run inside the post, so posting the
-        # whole window before the first poll would charge every request for its predecessors' copies.
-        if queue and len(in_flight) < cmd.concurrency:
-            rid, ticket, local_ids, num_tokens = queue.popleft()
+        # One step per round, then a poll: on CPU the copy may run inside the post, so posting the whole
+        # window before the first poll would charge every request for its predecessors' copies.
+        take = min(len(queue), cmd.per_step, cmd.concurrency - len(in_flight))
+        if take > 0:
+            step = [queue.popleft() for _ in range(take)]
+            nixl0 = timer.spent
             t0 = time.monotonic()
-            consumer.start_read(ticket, local_ids, expected_state_position=num_tokens)
-            in_flight[rid] = (t0, time.monotonic(), num_tokens)
+            errors = consumer.start_reads([Read(ticket, local_ids, num_tokens)
+                                           for _, ticket, local_ids, num_tokens in step])
+            t1 = time.monotonic()
+            hook_s, hook_nixl_s, steps = hook_s + t1 - t0, hook_nixl_s + timer.spent - nixl0, steps + 1
+            for (rid, _, _, num_tokens), error in zip(step, errors, strict=True):
+                if error is not None:
+                    raise BenchError(f"start_reads refused: {type(error).__name__}: {error}", request_id=rid)
+                in_flight[rid] = (t0, t1, num_tokens)
+        nixl0 = timer.spent
         c0 = time.monotonic()
         results = consumer.poll()
         c1 = time.monotonic()
         if not results:
             _wait(rank.setup.poll_sleep_s)
             continue
+        hook_s, hook_nixl_s = hook_s + c1 - c0, hook_nixl_s + timer.spent - nixl0
         for r in results:
             if not r.ok:
                 raise BenchError(f"request ended {r.state.value}: {type(r.error).__name__}: {r.error}",
@@ -227,7 +247,8 @@ def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
                 gather_s=r.gather_s, query_s=r.query_s, scatter_s=r.scatter_s,
                 packed_sources=r.num_packed_sources, fallback_sources=r.num_fallback_sources,
                 t_read_done=r.posted_at + r.read_s if r.read_s > 0 else 0.0))
-    return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0))
+    return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0,
+                             hook_s=hook_s, hook_nixl_s=hook_nixl_s, steps=steps))
 
 
 def plan_times(rank: _Rank, cmd: m.PlanTimes) -> m.Reply:
@@ -309,7 +330,8 @@ def run_ceiling(rank: _Rank, cmd: m.RunCeiling) -> m.Reply:
     _sleep_until(cmd.start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
-        if queue and free_slots and len(in_flight) < cmd.concurrency:  # one post per round, as in run_engine
+        # One step per round, as in run_engine: up to per_step posts, then one check of everything in flight.
+        for _ in range(min(len(queue), len(free_slots), cmd.per_step, cmd.concurrency - len(in_flight))):
             rid, slot = queue.popleft(), free_slots.popleft()
             t0 = time.monotonic()
             handles = ceiling.post(slot, lengths)
@@ -368,8 +390,8 @@ def run_copy(rank: _Rank, cmd: m.RunCopy) -> m.Reply:
     _sleep_until(cmd.start_at)
     cpu0 = time.process_time()
     while queue or in_flight:
-        if queue and free_slots and len(in_flight) < cmd.concurrency:  # one post per round, as in run_engine
-            rid, slot = queue.popleft(), free_slots.popleft()
+        for _ in range(min(len(queue), len(free_slots), cmd.per_step, cmd.concurrency - len(in_flight))):
+            rid, slot = queue.popleft(), free_slots.popleft()  # a step of posts per round, as in run_engine
             t0 = time.monotonic()
             end = copy.post(slot, lengths)
             in_flight[rid] = (t0, time.monotonic(), slot, end)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import sys
+import time
 from pathlib import Path
 
 from hybrid_transfer.bench.spec import DEFAULT_SWEEP_VALUES, KV_DTYPES, BenchSpec, Device, Sweep
@@ -17,10 +18,14 @@ from hybrid_transfer.cli.output import (
     stdout_to_stderr,
     table_stream,
 )
+from hybrid_transfer.engine.config import READ_BATCHING
 from hybrid_transfer.layout import KVLayout, preset_names
 from hybrid_transfer.plan.types import PlanMode
 
 _DEFAULTS = BenchSpec()
+CPU_ROUNDS = 3  # --rounds on cpu when not given
+TABLE_WIDTH = 100  # the default summary's width on a pipe or file (--wide: WIDE_WIDTH)
+WIDE_WIDTH = 200
 
 
 def _number_list(cast, kind: str):
@@ -112,10 +117,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="untimed requests per variant before the timed ones (first READs wire up UCX; with "
                              "pack on CPU use at least --concurrency, so the consumer's new staging pool is "
                              "paged in before timing)")
-    parser.add_argument("--rounds", type=int, default=d.rounds, metavar="K",
-                        help="timed rounds of every variant, interleaved (the order rotates each round); figures "
-                             "come from each variant's median-GB/s round, every round's GB/s is in the JSON "
-                             "(gbps_rounds). Use 3 or more on shared or noisy hosts")
+    parser.add_argument("--rounds", type=int, default=None, metavar="K",
+                        help=f"timed rounds of every variant, interleaved (the order rotates each round); figures "
+                             f"come from each variant's median-GB/s round, every round's GB/s is in the JSON "
+                             f"(gbps_rounds). None means {CPU_ROUNDS} on cpu (a shared host's noise) and "
+                             f"{d.rounds} on cuda")
+    parser.add_argument("--per-step", type=int, default=None, metavar="N",
+                        help="decode steps: up to N requests start together in one Consumer.start_reads call, as "
+                             "vLLM's worker starts a step's loads (1..--concurrency); None means --concurrency")
+    parser.add_argument("--read-batching", choices=list(READ_BATCHING), default=d.read_batching,
+                        help="EngineConfig.read_batching of the decode ranks: per_step posts one READ and one "
+                             "Claims per producer agent per start_reads call, per_request each request alone "
+                             "(docs/lifecycle.md#batched-reads)")
+    parser.add_argument("--wide", action="store_true",
+                        help="print every column and the time-split table (about 190 columns); the default "
+                             "summary fits 100")
     parser.add_argument("--sweep", choices=[s.value for s in Sweep if s is not Sweep.NONE], default=None,
                         help="run every variant at several fragmentations or token counts")
     parser.add_argument("--sweep-values", type=_float_list, default=None, metavar="LIST",
@@ -148,15 +164,23 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         requests=args.requests, concurrency=args.concurrency, fragmentation=args.fragmentation,
         mode=PlanMode(args.mode), device=Device(args.device), prefill_gpus=tuple(args.prefill_gpus),
         decode_gpus=tuple(args.decode_gpus), kv_dtype=args.kv_dtype, seed=args.seed, verify=args.verify,
-        warmup=args.warmup, rounds=args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
+        warmup=args.warmup, rounds=default_rounds(args.device) if args.rounds is None else args.rounds, sweep=Sweep(args.sweep) if args.sweep else Sweep.NONE,
         sweep_values=tuple(args.sweep_values or ()), backend_threads=args.backend_threads,
         split_batch_size=args.split_batch_size,
         post_thread=None if args.post_thread is None else args.post_thread == "on",
-        kv_layout=args.kv_layout, transport=args.transport,
+        kv_layout=args.kv_layout, transport=args.transport, per_step=args.per_step,
+        read_batching=args.read_batching,
     ).validate()
 
 
+def default_rounds(device: str) -> int:
+    """--rounds when not given: CPU_ROUNDS on cpu (a shared host's noise moves one round), else the spec's."""
+    return CPU_ROUNDS if device == Device.CPU.value else BenchSpec().rounds
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.rounds is None:
+        args.rounds = default_rounds(args.device)
     if args.peer is not None:
         from hybrid_transfer.cli.peer_run import run_peer
 
@@ -175,20 +199,35 @@ def run(args: argparse.Namespace) -> int:
     with stdout_to_stderr(json_to_stdout(args)):
         if has_rich and sys.stderr.isatty():
             result = _run_with_progress(coordinator)
-        else:
+        else:  # a pipe or a file: one plain line per step, so a long run shows it is alive
+            coordinator.on_step = ProgressLines(coordinator.num_steps, sys.stderr)
             result = coordinator.run()
     table = table_stream(args)
     if has_rich:
         from rich.console import Console
 
-        # A pipe or file gets the whole table; a terminal gets its own width.
-        print_table(result, Console(file=table) if table.isatty() else Console(file=table, width=200))
+        # A terminal gets its own width; a pipe or file the summary's (or --wide's).
+        width = None if table.isatty() else WIDE_WIDTH if args.wide else TABLE_WIDTH
+        print_table(result, Console(file=table, width=width), wide=args.wide)
     else:
-        print(plain_table(result), file=table)
+        print(plain_table(result, wide=args.wide), file=table)
     emit_json(args, to_json(result))
     if args.plot is not None:
         write_plot(result, args.plot)
     return 0
+
+
+class ProgressLines:
+    """Coordinator.on_step for a stderr that is not a terminal: ``[k/n] elapsed s  description`` per step."""
+
+    def __init__(self, total: int, stream):
+        self.total, self.stream, self.done = total, stream, 0
+        self.t0 = time.monotonic()
+
+    def __call__(self, description: str) -> None:
+        self.done += 1
+        print(f"bench [{self.done}/{self.total}] {time.monotonic() - self.t0:6.1f} s  {description}",
+              file=self.stream, flush=True)
 
 
 def _run_with_progress(coordinator):

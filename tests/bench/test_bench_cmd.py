@@ -28,7 +28,7 @@ def _bench(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, Pat
 def test_p1_d1_verified_run_reports_every_figure(tmp_path):
     # 600 tokens: a full and a partial block of 544; fragmentation 0.5 shuffles half the ids on both sides.
     proc, out = _bench(tmp_path, "--tokens", "600", "--requests", "3", "--concurrency", "2", "--warmup", "1",
-                       "--fragmentation", "0.5", "--verify")
+                       "--fragmentation", "0.5", "--verify", "--rounds", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert (doc["preset"], doc["prefill_tp"], doc["decode_tp"]) == ("qwen3.5-0.8b", 1, 1)
@@ -58,7 +58,7 @@ def test_vllm_pool_allocation_moves_verified_bytes_and_states_its_pool(tmp_path)
     from hybrid_transfer.bench import vllm_pool
 
     proc, out = _bench(tmp_path, "--tokens", "600", "--requests", "3", "--concurrency", "2", "--warmup", "1",
-                       "--decode-tp", "2", "--allocation", "vllm-pool", "--verify")
+                       "--decode-tp", "2", "--allocation", "vllm-pool", "--verify", "--rounds", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["allocation"] == "vllm-pool" and doc["verified"] is True
@@ -74,7 +74,7 @@ def test_fan_out_sweep_with_naive_mode_and_plot(tmp_path):
     plot = tmp_path / "bench.png"
     proc, out = _bench(tmp_path, "--decode-tp", "2", "--mode", "naive", "--tokens", "64", "--requests", "2",
                        "--warmup", "1", "--sweep", "fragmentation", "--sweep-values", "0,1", "--verify",
-                       "--plot", str(plot), "--kv-layout", "split")
+                       "--plot", str(plot), "--kv-layout", "split", "--rounds", "1")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["kv_layout"] == "split"
@@ -97,7 +97,7 @@ def test_pack_mode_runs_or_is_refused_clearly(tmp_path):
     except ConfigError:
         engine_runs_pack = False
     proc, out = _bench(tmp_path, "--mode", "pack", "--tokens", "64", "--requests", "2", "--warmup", "0",
-                       "--verify")
+                       "--verify", "--rounds", "1")
     if engine_runs_pack:
         assert proc.returncode == 0, proc.stderr[-3000:]
         doc = json.loads(out.read_text())
@@ -121,7 +121,8 @@ def test_bad_flags_exit_with_the_field_named(tmp_path):
 def test_token_sweep_reports_each_point_its_time_split_and_plots_it(tmp_path):
     plot = tmp_path / "tokens.png"
     proc, out = _bench(tmp_path, "--sweep", "tokens", "--sweep-values", "64,600", "--requests", "2",
-                       "--concurrency", "2", "--warmup", "1", "--rounds", "1", "--verify", "--plot", str(plot))
+                       "--concurrency", "2", "--warmup", "1", "--rounds", "1", "--verify", "--plot", str(plot),
+                       "--wide")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["sweep"] == "tokens" and doc["sweep_values"] == [64, 600]
@@ -134,7 +135,7 @@ def test_token_sweep_reports_each_point_its_time_split_and_plots_it(tmp_path):
             assert v["post_ms"] <= v["p99_ms"] and v["consumer_cpu_ms_per_request"] >= 0, name
         assert point["ceiling_settle_ms"] == 0.0  # one READ and nothing after it
         assert point["plan_ms"] > 0 and point["producer_cpu_ms_per_request"] >= 0
-    assert "time split" in proc.stdout and "read ms" in proc.stdout
+    assert "time split" in proc.stdout and "read ms" in proc.stdout  # --wide: every column and the split
     assert plot.read_bytes()[:4] == b"\x89PNG"
 
 
@@ -146,3 +147,35 @@ def test_a_request_count_the_host_cannot_hold_is_refused_before_any_process_star
     hint = re.search(r"use --requests (\d+)", proc.stderr)  # the count that fits this host, when one does
     assert hint is not None and 1 <= int(hint.group(1)) < 512, proc.stderr
     assert not out.exists()
+
+
+def test_a_default_cpu_run_takes_three_rounds_of_steps_shows_progress_and_fits_100_columns(tmp_path):
+    """Issue 20: 4 requests per step through one start_reads call, verified, hook time with NIXL apart; issue 21
+    item 2: 3 rounds by default on CPU, progress lines on a piped stderr, a summary table of at most 100 columns."""
+    proc, out = _bench(tmp_path, "--tokens", "600", "--requests", "4", "--concurrency", "4", "--per-step", "4",
+                       "--warmup", "1", "--fragmentation", "1", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["rounds"] == 3 and all(len(v["gbps_rounds"]) == 3 for v in doc["variants"].values())
+    assert (doc["per_step"], doc["read_batching"], doc["verified"]) == (4, "per_step", True)
+    assert doc["requests_per_step"] == 4.0  # every step's requests started in one start_reads call
+    assert 0 < doc["hook_nixl_ms"] < doc["hook_ms"]
+    assert doc["hook_python_ms"] == pytest.approx(doc["hook_ms"] - doc["hook_nixl_ms"], abs=1e-5)
+    assert doc["ceiling_hook_ms"] is None and doc["naive_hook_ms"] is not None
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("bench [")]
+    assert progress and progress[-1].startswith("bench [") and "planned again" in "".join(progress)
+    table = proc.stdout.splitlines()
+    assert max(len(line.rstrip()) for line in table) <= 100, max(table, key=len)
+    assert "coalesced*" in proc.stdout and "hook" in proc.stdout and "--rounds" not in proc.stdout
+
+
+def test_per_request_batching_with_one_round_names_rounds(tmp_path):
+    """--read-batching per_request reaches the decode ranks' EngineConfig; one round prints a line naming --rounds."""
+    proc, out = _bench(tmp_path, "--tokens", "64", "--requests", "2", "--concurrency", "2", "--warmup", "1",
+                       "--read-batching", "per_request", "--rounds", "1", "--verify")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert (doc["read_batching"], doc["per_step"], doc["rounds"], doc["verified"]) == ("per_request", 2, 1, True)
+    assert "--rounds 3" in proc.stdout
+    wide, _ = _bench(tmp_path, "--per-step", "3", "--concurrency", "2")
+    assert wide.returncode == 2 and "per_step" in wide.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 
 import pytest
@@ -11,10 +12,13 @@ from hybrid_transfer.bench.coordinator import BenchResult, PointResult
 from hybrid_transfer.bench.plot import write_plot
 from hybrid_transfer.bench.report import (
     COLUMNS,
+    COMPACT_COLUMNS,
     SPLIT_COLUMNS,
     SPLIT_TITLE,
+    compact_rows,
     plain_table,
     point_record,
+    print_table,
     split_rows,
     table_rows,
     to_json,
@@ -94,10 +98,11 @@ def test_table_has_one_row_per_variant_and_point():
 def test_plain_table_without_rich_shows_the_same_rows():
     spec = BenchSpec()
     result = _result(spec, [Point(2048, 0.0)])
-    lines = plain_table(result).splitlines()
+    lines = plain_table(result, wide=True).splitlines()
     assert lines[0].startswith("qwen3.5-0.8b  P1 -> D1  cpu  2048 tokens")
-    assert lines[2].split() == [c for col in COLUMNS for c in col.split()]
-    assert [line.split()[0] for line in lines[4:8]] == ["coalesced*", "naive", "ceiling", "copy"]
+    assert lines[1].startswith("concurrency 4, 4 per step (per_step)")
+    assert lines[3].split() == [c for col in COLUMNS for c in col.split()]
+    assert [line.split()[0] for line in lines[5:9]] == ["coalesced*", "naive", "ceiling", "copy"]
 
 
 @pytest.mark.parametrize("sweep", [Sweep.NONE, Sweep.TOKENS])
@@ -119,8 +124,9 @@ def test_time_split_table_and_json_carry_the_split_per_variant():
     assert len(rows) == 8 and all(len(r) == len(SPLIT_COLUMNS) + 1 for r in rows)
     assert rows[0][:6] == ["64", "coalesced*", "0.100", "0.200", "0.500", "0.300"]
     assert rows[0][-1] == "0.700 / 0.100" and rows[1][4] == "-"
-    text = plain_table(result)
+    text = plain_table(result, wide=True)
     assert SPLIT_TITLE in text and "read ms" in text and "settle ms" in text
+    assert SPLIT_TITLE not in plain_table(result)  # the default summary leaves the split to --wide
     point = to_json(result)["points"][0]
     assert (point["read_ms"], point["settle_ms"]) == (0.5, 0.3)
     assert point["consumer_cpu_ms_per_request"] == 0.7 and point["naive_read_ms"] is None
@@ -134,3 +140,84 @@ def test_auto_runs_print_each_rounds_staged_sources_per_decode_rank():
     result.points[0].stats["auto"] = auto
     lines = [line for line in plain_table(result).splitlines() if "staged sources" in line]
     assert lines == ["auto: staged sources per request by decode rank: r0: 1 1 | r1: 0 1"]
+
+
+def _typical(spec: BenchSpec) -> BenchResult:
+    """A long-context P2 -> D8 run's figures: thousands of descriptors, second-long latencies, 3 rounds."""
+    def figures(variant, gbps, descriptors, engine=True):
+        return dataclasses.replace(
+            _stats(variant, gbps, descriptors), p50_ms=1234.5, p99_ms=2345.6, post_ms=38.123, plan_ms=2.2,
+            gbps_rounds=(gbps * 0.9, gbps, gbps * 1.1), consumer_cpu_s=(0.5,) * 8, producer_cpu_s=(0.1, 0.2),
+            hook_ms=12.345 if engine else None, hook_nixl_ms=10.123 if engine else None,
+            hook_python_ms=2.222 if engine else None, requests_per_step=16.0 if engine else None)
+    points = []
+    for p in spec.points:
+        stats = {spec.mode.value: figures(spec.mode.value, 123.45, 38160.0), "coalesced": figures("coalesced", 23.4,
+                 38160.0), "naive": figures("naive", 12.3, 100000.0), "ceiling": figures("ceiling", 234.56, 8.0, False),
+                 "copy": figures("copy", 1234.5, 8.0, False)}
+        points.append(PointResult(p, 10**9, stats))
+    return BenchResult(spec, points, MemoryEstimate(1, 2, 3), {"cpu_count": 2},
+                       ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY was unset: set to y for the rank processes (docs/tuning.md)"])
+
+
+_TYPICAL_SPECS = [
+    BenchSpec(preset="qwen3.5-397b-a17b", prefill_tp=2, decode_tp=8, tokens=131072, mode=PlanMode.AUTO,
+              concurrency=16, rounds=3, fragmentation=1.0),
+    BenchSpec(preset="qwen3.5-397b-a17b", mode=PlanMode.PACK, sweep=Sweep.FRAGMENTATION, sweep_values=(0.0, 0.25),
+              rounds=3),
+    BenchSpec(mode=PlanMode.AUTO, sweep=Sweep.TOKENS, sweep_values=(8192.0, 131072.0), rounds=1, concurrency=16,
+              per_step=4, read_batching="per_request"),
+]
+
+
+@pytest.mark.parametrize("spec", _TYPICAL_SPECS, ids=["p2d8-131k-auto", "frag-sweep-pack", "token-sweep-1-round"])
+def test_default_summary_fits_100_columns(spec):
+    """Issue 21 item 2: the default table fits 100 columns, plain and rich (a pipe's width is 100)."""
+    from rich.console import Console
+
+    result = _typical(spec)
+    plain = plain_table(result).splitlines()
+    assert max(len(line) for line in plain) <= 100, max(plain, key=len)
+    header = next(line for line in plain if line.split()[-2:] == ["p50", "ok"])
+    assert "hook" in header.split() and "nixl" in header.split() and "py" in header.split()
+    buffer = io.StringIO()
+    print_table(result, Console(file=buffer, width=200))  # wider than needed: nothing is squeezed to fit
+    rendered = buffer.getvalue().splitlines()
+    assert max(len(line.rstrip()) for line in rendered) <= 100, max(rendered, key=len)
+    assert "…" not in buffer.getvalue()  # no cell was cut
+    assert all(name in buffer.getvalue() for name in ("coalesced", "naive", "ceiling", "12.345", "10.123", "2.222"))
+
+
+def test_wide_shows_every_column_and_the_time_split():
+    from rich.console import Console
+
+    result = _typical(_TYPICAL_SPECS[0])
+    plain = plain_table(result, wide=True)
+    header = next(line for line in plain.splitlines() if line.startswith("variant"))
+    assert header.split() == [c for col in COLUMNS for c in col.split()]
+    assert SPLIT_TITLE in plain
+    buffer = io.StringIO()
+    print_table(result, Console(file=buffer, width=250), wide=True)
+    assert all(col in buffer.getvalue() for col in (*COLUMNS, *SPLIT_COLUMNS)) and SPLIT_TITLE in buffer.getvalue()
+
+
+def test_compact_rows_carry_the_hook_figures_and_the_rounds_range():
+    rows = compact_rows(_typical(_TYPICAL_SPECS[0]))
+    assert all(len(r) == len(COMPACT_COLUMNS) for r in rows)
+    assert rows[0] == ["auto*", "123.5", "111-136", "0.53", "10.04", "38,160", "12.345", "10.123", "2.222", "1,234",
+                       "yes"]
+    assert rows[3][6:9] == ["-", "-", "-"]  # the ceiling has no engine hooks
+
+
+def test_one_round_names_rounds_and_three_do_not():
+    one = plain_table(_typical(_TYPICAL_SPECS[2]))
+    assert "--rounds" in one and "one round" in one
+    assert "one round" not in plain_table(_typical(_TYPICAL_SPECS[0]))
+
+
+def test_json_carries_the_hook_figures_and_the_step():
+    spec = BenchSpec(concurrency=16, per_step=4, read_batching="per_request")
+    record = to_json(_typical(spec))
+    assert (record["per_step"], record["read_batching"]) == (4, "per_request")
+    assert (record["hook_ms"], record["hook_nixl_ms"], record["hook_python_ms"]) == (12.345, 10.123, 2.222)
+    assert record["requests_per_step"] == 16.0 and record["ceiling_hook_ms"] is None

@@ -31,6 +31,9 @@ def test_defaults_are_a_small_valid_run():
     ({"sweep_values": (0.5,)}, "sweep_values"),
     ({"sweep": Sweep.TOKENS, "sweep_values": (1.5,)}, "sweep_values"),
     ({"sweep": Sweep.FRAGMENTATION, "sweep_values": (2.0,)}, "sweep_values"),
+    ({"per_step": 0}, "per_step"),
+    ({"concurrency": 4, "per_step": 5}, "per_step"),
+    ({"read_batching": "per_token"}, "read_batching"),
 ])
 def test_validate_names_the_bad_field(changes, field):
     with pytest.raises(ConfigError) as info:
@@ -72,3 +75,8 @@ def test_round_order_rotates_so_every_variant_leads_once():
     orders = [spec.round_order(r) for r in range(3)]
     assert [o[0] for o in orders] == [Variant.COALESCED, Variant.NAIVE, Variant.CEILING]
     assert all(sorted(o, key=lambda v: v.value) == sorted(spec.variants, key=lambda v: v.value) for o in orders)
+
+
+def test_a_step_starts_concurrency_requests_unless_per_step_says_fewer():
+    assert BenchSpec(concurrency=16).step_size == 16
+    assert BenchSpec(concurrency=16, per_step=4).validate().step_size == 4

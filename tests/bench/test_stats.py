@@ -167,3 +167,20 @@ def test_time_split_clamps_and_reports_unknown_reads_as_none():
     assert unknown.read_s == 0.0
     s = summarize("coalesced", [ConsumerRun(0, (unknown,), cpu_s=0.0)])
     assert s.read_ms is None and s.settle_ms is None
+
+
+def test_hook_time_is_per_rank_and_request_with_nixl_apart():
+    """Issue 20: the worker-thread hooks (start_reads + collecting polls) per (decode rank, request), NIXL apart."""
+    runs = [ConsumerRun(0, (_t("a", 1.0, 1.5), _t("b", 1.0, 1.6)), cpu_s=0.1, hook_s=0.004, hook_nixl_s=0.003,
+                        steps=1),
+            ConsumerRun(1, (_t("a", 1.0, 1.5), _t("b", 1.0, 1.6)), cpu_s=0.1, hook_s=0.002, hook_nixl_s=0.001,
+                        steps=2)]
+    s = summarize("coalesced", runs)
+    assert s.hook_ms == pytest.approx(1.5) and s.hook_nixl_ms == pytest.approx(1.0)
+    assert s.hook_python_ms == pytest.approx(0.5)
+    assert s.requests_per_step == pytest.approx(4 / 3)
+
+
+def test_runs_without_steps_have_no_hook_figures():
+    s = summarize("ceiling", [ConsumerRun(0, (_t("a", 1.0, 1.5),), cpu_s=0.0)])
+    assert (s.hook_ms, s.hook_nixl_ms, s.hook_python_ms, s.requests_per_step) == (None, None, None, None)
