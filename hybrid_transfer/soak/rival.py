@@ -55,7 +55,14 @@ class Rival:
             if action == "decline_bad_mac":
                 ticket = msgspec.structs.replace(ticket, mac=bytes(32))
             return "sent" if self.engine.decline(ticket) else "dropped"
-        local = self._take(ticket.num_tokens)
+        outcome = self._read(action, ticket, ticket.num_tokens, seed)
+        if outcome == "started" and action == "read_abort":
+            self.engine.abort(ticket.request_id)
+        return outcome
+
+    def _read(self, action: str, ticket, room_tokens: int, seed: int | None) -> str:
+        """Start reading ``ticket`` into free local blocks for ``room_tokens``; they come back if it is refused."""
+        local = self._take(room_tokens)
         if local is None:
             return "no_room"
         try:
@@ -64,8 +71,6 @@ class Rival:
             self._give(local)
             raise
         self.reading[ticket.request_id] = (action, local, seed, ticket.num_tokens)
-        if action == "read_abort":
-            self.engine.abort(ticket.request_id)
         return "started"
 
     def _hostile(self, params: dict, rng: random.Random) -> None:
@@ -78,16 +83,7 @@ class Rival:
 
         def start() -> str:
             ticket = ticket_from_params(bad)
-            local = self._take(ticket.num_tokens if ticket.num_tokens < 10_000 else 0)
-            if local is None:
-                return "no_room"
-            try:
-                self.engine.start_read(ticket, local, expected_state_position=ticket.num_tokens)
-            except BaseException:
-                self._give(local)
-                raise
-            self.reading[ticket.request_id] = (f"params:{field}", local, None, ticket.num_tokens)
-            return "started"
+            return self._read(f"params:{field}", ticket, ticket.num_tokens if ticket.num_tokens < 10_000 else 0, None)
 
         self._try(f"params:{field}", start)
 
