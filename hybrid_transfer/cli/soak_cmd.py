@@ -51,7 +51,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
             "--requests requests in batches: random token counts, blocks drawn at random from the free pool "
             "(fragmentation), about --abort-rate of them aborted by each side after a random number of polls, "
             "--stall-rate handed to the consumer only after their lease expired, replayed and edited tickets, "
-            "forged notifications and a handshake with a wrong secret. The producer and the consumer are each "
+            "forged notifications and a handshake with a wrong secret; a second consumer declines, aborts or reads "
+            "live tickets and feeds hostile kv_transfer_params (docs/soak.md#rival). The producer and the consumer are each "
             "killed once with SIGKILL while reads are in flight and started again. Every DONE request's bytes "
             "are checked against a global oracle. Prints completed, failed by cause, bytes verified, blocks "
             "pinned, quarantined, handles leaked and RSS growth. Exit code 0 only when every request ended "
@@ -76,6 +77,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-kills", action="store_true", help="do not kill and restart the processes")
     parser.add_argument("--no-auth", action="store_true", help="run without a shared secret (forged Completions "
                         "are then left out: without a secret they cannot be told from real ones)")
+    parser.add_argument("--hostile-params", type=int, default=d.hostile_params,
+                        help="hostile kv_transfer_params per live ticket in each forge round, in [0, 64]")
+    parser.add_argument("--no-rival", action="store_true",
+                        help="leave out the second consumer and its hostile params")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed (non-negative)")
     add_json_option(parser, "the report as one JSON object")
     parser.set_defaults(handler=run)
@@ -91,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
                     num_blocks=args.num_blocks, abort_rate=args.abort_rate, stall_rate=args.stall_rate,
                     replay_rate=args.replay_rate, edit_rate=args.edit_rate, lease_s=args.lease,
                     read_deadline_s=args.read_deadline, kills=not args.no_kills, auth=not args.no_auth,
+                    rival=not args.no_rival, hostile_params=args.hostile_params,
                     seed=args.seed, log_level=args.log_level.upper()).validate()
     # With the JSON on stdout, the prefill and decode processes (which inherit fd 1) print to stderr.
     with stdout_to_stderr(json_to_stdout(args)):
