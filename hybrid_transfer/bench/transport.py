@@ -31,17 +31,10 @@ def rank_env(transport: str) -> dict[str, str]:
 @contextmanager
 def rank_environment(transport: str) -> Iterator[dict[str, str]]:
     """Within the block, os.environ carries ``rank_env(transport)`` (for processes spawned there); restored after."""
-    env = rank_env(transport)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    from hybrid_transfer.engine.tcp_path import environment
+
+    with environment(rank_env(transport)) as env:
         yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def describe(transport: str) -> dict[str, str]:

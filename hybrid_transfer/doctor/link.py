@@ -29,6 +29,7 @@ from hybrid_transfer.doctor import link_wire as w
 from hybrid_transfer.doctor.loopback import Memory, PatternBuffer, timed_read
 from hybrid_transfer.doctor.types import CheckResult, DoctorReport, Status
 from hybrid_transfer.doctor.ucx_tables import parse_proto_tables, read_tables
+from hybrid_transfer.engine.tcp_path import environment
 from hybrid_transfer.errors import ConfigError, HybridTransferError
 
 log = logging.getLogger(__name__)
@@ -187,17 +188,9 @@ def peer(options: LinkOptions) -> DoctorReport:
         # UCX reads these once, when this process creates its first UCX context (the agent below); they are
         # restored after, so nothing later in this process logs into a folder that is gone.
         env = {"UCX_PROTO_INFO": "y", "UCX_LOG_FILE": os.path.join(log_dir, "ucx-peer.%p.log")}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
+        with environment(env):
             checks = _peer_checks(options)
             _flush_c_streams()  # UCX writes its log through a buffered C stream, flushed at exit otherwise
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         ucx_log = "".join(p.read_text(errors="replace") for p in sorted(Path(log_dir).glob("*.log")))
     link, *measured = checks
     if measured:

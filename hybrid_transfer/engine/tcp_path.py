@@ -12,7 +12,10 @@ The address a producer advertises must be one a peer can reach: the interface's 
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from hybrid_transfer.engine.config import resolve_host_source
@@ -67,3 +70,23 @@ def tcp_only_env(interface: str) -> dict[str, str]:
         raise ConfigError(f"interface {interface!r} has no IPv4 address on this host (have: {sorted(names)})",
                           field="interface", value=interface)
     return {"UCX_TLS": "tcp", "UCX_NET_DEVICES": interface}
+
+
+@contextmanager
+def environment(env: Mapping[str, str]) -> Iterator[dict[str, str]]:
+    """Within the block, ``os.environ`` carries ``env``; each variable's earlier value (or its absence) is restored after.
+
+    UCX reads its variables when a process creates its first UCX context, and a spawned process takes its
+    parent's environment when it starts, so setting them only around that moment is enough.
+    """
+    env = dict(env)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

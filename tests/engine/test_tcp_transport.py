@@ -25,7 +25,7 @@ from test_transfer import _layouts
 
 from hybrid_transfer.doctor.ucx_tables import parse_proto_tables
 from hybrid_transfer.engine import EngineConfig
-from hybrid_transfer.engine.tcp_path import tcp_only_env
+from hybrid_transfer.engine.tcp_path import environment, tcp_only_env
 from hybrid_transfer.layout import CacheOptions, KVLayout
 from hybrid_transfer.plan.types import PlanMode
 
@@ -41,16 +41,8 @@ def tcp():
     log_dir = Path(os.environ.get("HT_TCP_LOG_DIR") or _fresh_dir())
     env = {**tcp_only_env(iface.name), "UCX_PROTO_INFO": "y",
            "UCX_LOG_FILE": str(log_dir / "ucx.%p.log")}  # UCX expands %p to the process id
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # spawned processes take the parent's environment when they start
-    try:
+    with environment(env):  # spawned processes take the parent's environment when they start
         cluster = Cluster(NUM_WORKERS)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield cluster, iface, log_dir
     finally:
