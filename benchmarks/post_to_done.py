@@ -19,20 +19,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import time
+
+from _ranks import answer, hold_everywhere, serve_holds, spawn, start_producers, stop_producers
+from _ranks import blocks_for as _blocks_for
+from _ranks import geometry as _geometry
 
 CASES = {
     "small": {"preset": "qwen3.5-0.8b", "prefill_tp": 1, "decode_tp": 1, "tokens": 128},
     "large": {"preset": "qwen3.5-397b-a17b", "prefill_tp": 2, "decode_tp": 8, "tokens": 8192},
 }
-
-
-def _geometry(preset: str, tp_size: int, tp_rank: int):
-    from hybrid_transfer import RankGeometry, load_preset
-
-    return RankGeometry(load_preset(preset), tp_size, tp_rank)
 
 
 def _layout(geometry, tokens: int, num_blocks: int, fragmentation: float, seed: int):
@@ -41,28 +38,12 @@ def _layout(geometry, tokens: int, num_blocks: int, fragmentation: float, seed: 
     return make_request(geometry, tokens, num_blocks, rng=seed, fragmentation=fragmentation)
 
 
-def _blocks_for(geometry, tokens: int) -> int:
-    return sum(geometry.num_blocks_for_tokens(tokens) if g.kind.name == "ATTENTION" else 1
-               for g in geometry.tensor_map.groups)
-
-
 def _producer(conn, preset, tp_size, rank, num_blocks, engine_id, incarnation) -> None:
     from hybrid_transfer import HybridCache, Producer
 
     producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks), engine_id=engine_id,
                         incarnation=incarnation)
-    conn.send(producer.address)
-    if tp_size > 1:
-        producer.set_engine_addresses(conn.recv())
-    while True:
-        if conn.poll(0.001):
-            command = conn.recv()
-            if command is None:
-                break
-            request_id, block_ids, tokens, nonce = command
-            conn.send(producer.hold(request_id, block_ids, tokens, nonce=nonce))
-        producer.poll()
-    producer.close()
+    serve_holds(conn, producer, tp_size, wait_s=0.001, sleep_s=0.0)
 
 
 def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps) -> None:
@@ -103,38 +84,20 @@ def run(case: str, reps: int) -> list[dict]:
     preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
     p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
     p_blocks, d_blocks = 2 * _blocks_for(p_geo, tokens) + 2, 2 * _blocks_for(d_geo, tokens) + 2
-    ctx = mp.get_context("spawn")
-    producers = []
-    for rank in range(p_tp):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_producer, args=(child, preset, p_tp, rank, p_blocks, "bench", 1))
-        proc.start()
-        producers.append((proc, parent))
-    addresses = [conn.recv() for _, conn in producers]
-    if p_tp > 1:
-        for _, conn in producers:
-            conn.send(addresses)
-    c_parent, c_child = ctx.Pipe()
-    consumer = ctx.Process(target=_consumer, args=(c_child, preset, d_tp, d_blocks, tokens, reps))
-    consumer.start()
+    producers, addresses = start_producers(_producer, p_tp, lambda rank: (preset, p_tp, rank, p_blocks, "bench", 1),
+                                           daemon=False)
+    consumer, c_parent = spawn(_consumer, (preset, d_tp, d_blocks, tokens, reps), daemon=False)
     c_parent.send(addresses[0])
     n = 0
     for frag in (0.0, 1.0):
         remote = _layout(p_geo, tokens, p_blocks, frag, seed=3)
         for _ in range(reps + 1):
             n += 1
-            producers[0][1].send((f"req-{n}", remote.block_ids, tokens, None))
-            ticket = producers[0][1].recv()
-            for _, conn in producers[1:]:
-                conn.send((f"req-{n}", remote.block_ids, tokens, ticket.nonce))
-                conn.recv()
-            c_parent.send(ticket)
-            c_parent.recv()
-    rows = c_parent.recv()
+            c_parent.send(hold_everywhere(producers, f"req-{n}", remote.block_ids, tokens))
+            answer(c_parent, consumer)
+    rows = answer(c_parent, consumer)
     consumer.join()
-    for proc, conn in producers:
-        conn.send(None)
-        proc.join()
+    stop_producers(producers)
     return [{"case": case, "preset": preset, "prefill_tp": p_tp, "decode_tp": d_tp, "tokens": tokens, **r}
             for r in rows]
 

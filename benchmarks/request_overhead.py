@@ -30,11 +30,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
 import time
+
+from _ranks import answer, hold_everywhere, serve_holds, spawn, start_producers, stop_producers
+from _ranks import blocks_for as _blocks_for
+from _ranks import device as _device
+from _ranks import geometry as _geometry
 
 CASES = {
     "small": {"preset": "qwen3.5-0.8b", "prefill_tp": 1, "decode_tp": 1, "tokens": 2048},
@@ -67,41 +71,12 @@ class _Timed:
         return timed
 
 
-def _geometry(preset: str, tp_size: int, tp_rank: int):
-    from hybrid_transfer import RankGeometry, load_preset
-
-    return RankGeometry(load_preset(preset), tp_size, tp_rank)
-
-
-def _blocks_for(geometry, tokens: int) -> int:
-    return sum(geometry.num_blocks_for_tokens(tokens) if g.kind.name == "ATTENTION" else 1
-               for g in geometry.tensor_map.groups)
-
-
-def _device(name: str):
-    import torch
-
-    return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
-
-
 def _producer(conn, preset, tp_size, rank, num_blocks, device) -> None:
     from hybrid_transfer import HybridCache, Producer
 
     producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks, _device(device)),
                         engine_id="overhead", incarnation=1)
-    conn.send(producer.address)
-    if tp_size > 1:
-        producer.set_engine_addresses(conn.recv())
-    while True:
-        if conn.poll(0):
-            command = conn.recv()
-            if command is None:
-                break
-            request_id, block_ids, tokens, nonce = command
-            conn.send(_hold(producer, request_id, block_ids, tokens, nonce))
-        producer.poll()
-        time.sleep(0.0001)
-    producer.close()
+    serve_holds(conn, producer, tp_size, hold=_hold)
 
 
 def _hold(producer, request_id, block_ids, tokens, nonce, wait_s: float = 30.0):
@@ -253,28 +228,9 @@ def run_batched(case: str, reps: int, device: str, batch: int, batching: str) ->
     p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
     # The producer may still hold the last step's requests (same blocks) when the next is held (_hold waits).
     p_blocks, d_blocks = 2 * batch * _blocks_for(p_geo, tokens) + 2, batch * _blocks_for(d_geo, tokens) + 2
-    ctx = mp.get_context("spawn")
-    producers = []
-    for rank in range(p_tp):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_producer, args=(child, preset, p_tp, rank, p_blocks, device), daemon=True)
-        proc.start()
-        producers.append((proc, parent))
-    addresses = [conn.recv() for _, conn in producers]
-    if p_tp > 1:
-        for _, conn in producers:
-            conn.send(addresses)
-    c_parent, c_child = ctx.Pipe()
-    consumer = ctx.Process(target=_consumer_batch, args=(c_child, preset, d_tp, d_blocks, tokens, reps, device,
-                                                         batch, batching), daemon=True)
-    consumer.start()
+    producers, addresses = start_producers(_producer, p_tp, lambda rank: (preset, p_tp, rank, p_blocks, device))
+    consumer, c_parent = spawn(_consumer_batch, (preset, d_tp, d_blocks, tokens, reps, device, batch, batching))
     c_parent.send(addresses[0])
-
-    def answer(conn, proc):
-        while not conn.poll(1.0):
-            if not proc.is_alive():
-                raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
-        return conn.recv()
 
     n = 0
     for frag in (0.0, 1.0):
@@ -283,19 +239,12 @@ def run_batched(case: str, reps: int, device: str, batch: int, batching: str) ->
             tickets = []
             for remote in remotes:
                 n += 1
-                producers[0][1].send((f"req-{n}", remote.block_ids, tokens, None))
-                ticket = answer(producers[0][1], producers[0][0])
-                for proc, conn in producers[1:]:
-                    conn.send((f"req-{n}", remote.block_ids, tokens, ticket.nonce))
-                    answer(conn, proc)
-                tickets.append(ticket)
+                tickets.append(hold_everywhere(producers, f"req-{n}", remote.block_ids, tokens))
             c_parent.send(tickets)
             answer(c_parent, consumer)
     rows = answer(c_parent, consumer)
     consumer.join()
-    for proc, conn in producers:
-        conn.send(None)
-        proc.join()
+    stop_producers(producers)
     return [{"case": case, "device": device, "tokens": tokens, **r} for r in rows]
 
 
@@ -304,28 +253,9 @@ def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
     preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
     p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
     p_blocks, d_blocks = 2 * _blocks_for(p_geo, tokens) + 2, 2 * _blocks_for(d_geo, tokens) + 2
-    ctx = mp.get_context("spawn")
-    producers = []
-    for rank in range(p_tp):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_producer, args=(child, preset, p_tp, rank, p_blocks, device), daemon=True)
-        proc.start()
-        producers.append((proc, parent))
-    addresses = [conn.recv() for _, conn in producers]
-    if p_tp > 1:
-        for _, conn in producers:
-            conn.send(addresses)
-    c_parent, c_child = ctx.Pipe()
-    consumer = ctx.Process(target=_consumer, args=(c_child, preset, d_tp, d_blocks, tokens, reps, device, profile),
-                           daemon=True)
-    consumer.start()
+    producers, addresses = start_producers(_producer, p_tp, lambda rank: (preset, p_tp, rank, p_blocks, device))
+    consumer, c_parent = spawn(_consumer, (preset, d_tp, d_blocks, tokens, reps, device, profile))
     c_parent.send(addresses[0])
-
-    def answer(conn, proc):  # a rank that died must not leave this process waiting forever
-        while not conn.poll(1.0):
-            if not proc.is_alive():
-                raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
-        return conn.recv()
 
     from hybrid_transfer.verify import make_request
 
@@ -334,18 +264,11 @@ def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
         remote = make_request(p_geo, tokens, p_blocks, rng=3, fragmentation=frag)
         for _ in range(reps + 1):
             n += 1
-            producers[0][1].send((f"req-{n}", remote.block_ids, tokens, None))
-            ticket = answer(producers[0][1], producers[0][0])
-            for proc, conn in producers[1:]:
-                conn.send((f"req-{n}", remote.block_ids, tokens, ticket.nonce))
-                answer(conn, proc)
-            c_parent.send(ticket)
+            c_parent.send(hold_everywhere(producers, f"req-{n}", remote.block_ids, tokens))
             answer(c_parent, consumer)
     rows = answer(c_parent, consumer)
     consumer.join()
-    for proc, conn in producers:
-        conn.send(None)
-        proc.join()
+    stop_producers(producers)
     return [{"case": case, "device": device, "preset": preset, "prefill_tp": p_tp, "decode_tp": d_tp,
              "tokens": tokens, **r} for r in rows]
 

@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import time
+
+from _ranks import blocks_for as _blocks_for
+from _ranks import device as _device
+from _ranks import geometry as _geometry
+from _ranks import hold_everywhere, serve_holds, start_producers, stop_producers
 
 CASES = {
     "small": {"preset": "qwen3.5-0.8b", "prefill_tp": 1, "decode_tp": 1, "tokens": 2048},
@@ -27,41 +31,12 @@ CASES = {
 SETTINGS = ((0, None), (2, 16), (4, 8), (4, 16), (4, 32), (8, 16), (8, 32))
 
 
-def _geometry(preset: str, tp_size: int, tp_rank: int):
-    from hybrid_transfer import RankGeometry, load_preset
-
-    return RankGeometry(load_preset(preset), tp_size, tp_rank)
-
-
-def _blocks_for(geometry, tokens: int) -> int:
-    return sum(geometry.num_blocks_for_tokens(tokens) if g.kind.name == "ATTENTION" else 1
-               for g in geometry.tensor_map.groups)
-
-
-def _device(name: str):
-    import torch
-
-    return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
-
-
 def _producer(conn, preset, tp_size, rank, num_blocks, device) -> None:
     from hybrid_transfer import HybridCache, Producer
 
     producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks, _device(device)),
                         engine_id="ucx-threads", incarnation=2)
-    conn.send(producer.address)
-    if tp_size > 1:
-        producer.set_engine_addresses(conn.recv())
-    while True:
-        if conn.poll(0):
-            command = conn.recv()
-            if command is None:
-                break
-            request_id, block_ids, tokens, nonce = command
-            conn.send(producer.hold(request_id, block_ids, tokens, nonce=nonce))
-        producer.poll()
-        time.sleep(0.0001)
-    producer.close()
+    serve_holds(conn, producer, tp_size)
 
 
 def _window(consumer, tickets, local_ids, tokens, concurrency):
@@ -101,17 +76,7 @@ def run(case: str, frag: float, device: str, requests: int, concurrency: int, ro
     p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
     p_blocks = concurrency * _blocks_for(p_geo, tokens) + 2
     d_blocks = concurrency * _blocks_for(d_geo, tokens) + 2
-    ctx = mp.get_context("spawn")
-    producers = []
-    for rank in range(p_tp):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_producer, args=(child, preset, p_tp, rank, p_blocks, device), daemon=True)
-        proc.start()
-        producers.append((proc, parent))
-    addresses = [conn.recv() for _, conn in producers]
-    if p_tp > 1:
-        for _, conn in producers:
-            conn.send(addresses)
+    producers, addresses = start_producers(_producer, p_tp, lambda rank: (preset, p_tp, rank, p_blocks, device))
     cache = HybridCache.allocate(d_geo, d_blocks, _device(device))
     local_ids = _disjoint(d_geo, tokens, d_blocks, concurrency, frag, seed=7)
     remote_ids = _disjoint(p_geo, tokens, p_blocks, concurrency, frag, seed=3)
@@ -122,13 +87,7 @@ def run(case: str, frag: float, device: str, requests: int, concurrency: int, ro
         tickets = []
         for k in range(requests):
             n += 1
-            rid = f"{tag}-{n}"
-            producers[0][1].send((rid, remote_ids[k % concurrency], tokens, None))
-            ticket = producers[0][1].recv()
-            for _, conn in producers[1:]:
-                conn.send((rid, remote_ids[k % concurrency], tokens, ticket.nonce))
-                conn.recv()
-            tickets.append(ticket)
+            tickets.append(hold_everywhere(producers, f"{tag}-{n}", remote_ids[k % concurrency], tokens))
         return tickets
 
     try:
@@ -147,9 +106,7 @@ def run(case: str, frag: float, device: str, requests: int, concurrency: int, ro
                   f"(rounds {', '.join(f'{r[0]:.1f}' for r in results)})  p50 {p50:7.3f} ms  "
                   f"start_read {start:6.3f} ms  CPU {cpu:5.2f} s", flush=True)
     finally:
-        for proc, conn in producers:
-            conn.send(None)
-            proc.join(timeout=30)
+        stop_producers(producers, timeout=30)
     return rows
 
 
