@@ -127,11 +127,8 @@ def build_engine(name: str, tp_size: int, num_blocks: int, block_size: int | Non
     ``block_size`` forces the logical block size (vLLM only raises it to fit the state page).
     """
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from hybrid_transfer.integrations.vllm_peer.model import hybrid_kv_cache_config
 
     backend = backend or kernel_backend()
     model_config = copy.deepcopy(_model_config(name))
@@ -144,29 +141,7 @@ def build_engine(name: str, tp_size: int, num_blocks: int, block_size: int | Non
         kv_transfer_config=KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both"),
     )
     vc.cache_config.kv_cache_layout = "LBHNC"  # what vLLM resolves for NIXL's required layout
-    # vLLM's own rule for a hybrid's attention block size and padded state page (it reads the
-    # backends from live layers, which a config-only engine has none of).
-    with mock.patch.object(Platform, "_find_non_ssm_backends", classmethod(lambda cls, cfg: [backend])):
-        Platform._align_hybrid_block_size(vc, backend)
-    model_cls, _ = ModelRegistry.resolve_model_cls(model_config.architecture, model_config=model_config)
-    hf = model_config.hf_text_config
-    pc = vc.parallel_config
-    specs = {}
-    for i, kind in enumerate(hf.layer_types):
-        if kind == "full_attention":
-            specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
-                block_size=vc.cache_config.block_size, num_kv_heads=model_config.get_num_kv_heads(pc),
-                head_size=model_config.get_head_size(), dtype=model_config.dtype)
-        else:
-            specs[f"model.layers.{i}.linear_attn"] = MambaSpec(
-                block_size=vc.cache_config.mamba_block_size or model_config.max_model_len,
-                shapes=tuple(model_cls.get_mamba_state_shape_from_config(vc)),
-                dtypes=tuple(model_cls.get_mamba_state_dtype_from_config(vc)),
-                page_size_padded=vc.cache_config.mamba_page_size_padded,
-                mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
-    groups = get_kv_cache_groups(vc, specs)
-    page = max(g.kv_cache_spec.page_size_bytes for g in groups)
-    kvc = get_kv_cache_config_from_groups(vc, groups, available_memory=page * len(specs) * num_blocks)
+    kvc = hybrid_kv_cache_config(vc, backend, num_blocks)
     return Engine(vc, kvc, tp_size, backend)
 
 
@@ -240,25 +215,14 @@ class RecordingNixl:
         raise RuntimeError("no telemetry in the recording fake")
 
 
-class _NoCorePinningPlatform:
-    """vLLM's CPU platform, except it reports no NUMA cores: a CPU worker pins the whole process to one."""
-
-    def __init__(self, real):
-        self._real = real
-
-    def discover_numa_topology(self):
-        return []
-
-    def __getattr__(self, name):
-        return getattr(self._real, name)
-
-
 def make_worker(engine: Engine, engine_id: str, tp_rank: int):
     """vLLM's real pull worker for one TP rank of ``engine``, with its caches registered."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
     from vllm.v1.kv_cache_interface import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
+
+    from hybrid_transfer.integrations.vllm_peer.engine import NoCorePinningPlatform
 
     if os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") != "DS":
         raise RuntimeError("set VLLM_SSM_CONV_STATE_LAYOUT=DS: vLLM's worker refuses hybrids without it")
@@ -269,7 +233,7 @@ def make_worker(engine: Engine, engine_id: str, tp_rank: int):
         enter(mock.patch.object(base_worker, "get_tensor_model_parallel_rank", lambda: tp_rank))
         enter(mock.patch.object(base_worker, "get_tensor_model_parallel_world_size", lambda: engine.tp_size))
         enter(mock.patch.object(base_worker, "get_current_attn_backends", lambda *a, **k: [engine.backend]))
-        enter(mock.patch.object(base_worker, "current_platform", _NoCorePinningPlatform(base_worker.current_platform)))
+        enter(mock.patch.object(base_worker, "current_platform", NoCorePinningPlatform(base_worker.current_platform)))
         worker = NixlPullConnectorWorker(engine.vllm_config, engine_id, kvc)
         kernel_sizes = [
             g.kv_cache_spec.block_size // worker._physical_blocks_per_logical_kv_block

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 TOKEN = 11  # what the "model" samples
 
 
-class _NoCorePinningPlatform:
+class NoCorePinningPlatform:
     """vLLM's platform, except it reports no NUMA cores (vLLM's NIXL CPU worker pins the process to one)."""
 
     def __init__(self, real):
@@ -205,7 +205,7 @@ class PeerEngine:
         enter(mock.patch.object(base_worker, "get_tensor_model_parallel_world_size", lambda: 1))
         enter(mock.patch("vllm.distributed.parallel_state.get_tensor_model_parallel_rank", lambda: 0))
         enter(mock.patch.object(base_worker, "get_current_attn_backends", lambda *a, **k: [attention_backend()]))
-        enter(mock.patch.object(base_worker, "current_platform", _NoCorePinningPlatform(base_worker.current_platform)))
+        enter(mock.patch.object(base_worker, "current_platform", NoCorePinningPlatform(base_worker.current_platform)))
         try:
             vc.cache_config.num_gpu_blocks = kvc.num_blocks
             scheduler_block, hash_block = resolve_kv_cache_block_sizes(kvc, vc)

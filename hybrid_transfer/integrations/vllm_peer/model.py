@@ -123,11 +123,6 @@ def connector_transfer_config(connector: str, kv_role: str, shape: EngineShape):
 def build_configs(connector: str, kv_role: str, shape: EngineShape):
     """(VllmConfig, KVCacheConfig) of one TP1 engine: vLLM's block size, groups and tensor placement."""
     from vllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig
-    from vllm.model_executor.models.registry import ModelRegistry
-    from vllm.platforms.interface import Platform
-    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     backend = attention_backend()
     model = ModelConfig(model=model_dir(shape.preset, shape.max_model_len), dtype="bfloat16",
@@ -144,13 +139,30 @@ def build_configs(connector: str, kv_role: str, shape: EngineShape):
         kv_transfer_config=connector_transfer_config(connector, kv_role, shape),
     )
     vc.cache_config.kv_cache_layout = "LBHNC"  # what vLLM resolves for NIXL's required layout (both connectors')
-    # vLLM's own rule for a hybrid's block size and padded state page; it reads backends from live layers.
+    kvc = hybrid_kv_cache_config(vc, backend, shape.num_blocks)
+    kvc.kv_cache_layout = "LBHNC"
+    return vc, kvc
+
+
+def hybrid_kv_cache_config(vc, backend, num_blocks: int):
+    """vLLM's KVCacheConfig of ``vc``'s hybrid model with ``num_blocks`` blocks, from vLLM's own planning code.
+
+    First aligns ``vc``'s attention block size and padded state page by vLLM's rule for a hybrid (which reads
+    the backends from live layers; a config-only engine has none, so ``backend`` stands in); then one spec
+    per full-attention and GDN layer at ``vc``'s TP size, grouped and placed as vLLM's planner does.
+    """
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.platforms.interface import Platform
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    model = vc.model_config
     with mock.patch.object(Platform, "_find_non_ssm_backends", classmethod(lambda cls, cfg: [backend])):
         Platform._align_hybrid_block_size(vc, backend)
     model_cls, _ = ModelRegistry.resolve_model_cls(model.architecture, model_config=model)
-    hf = model.hf_text_config
     specs = {}
-    for i, kind in enumerate(hf.layer_types):
+    for i, kind in enumerate(model.hf_text_config.layer_types):
         if kind == "full_attention":
             specs[f"model.layers.{i}.self_attn.attn"] = FullAttentionSpec(
                 block_size=vc.cache_config.block_size, num_kv_heads=model.get_num_kv_heads(vc.parallel_config),
@@ -164,9 +176,7 @@ def build_configs(connector: str, kv_role: str, shape: EngineShape):
                 mamba_type=MambaAttentionBackendEnum.GDN_ATTN, mamba_cache_mode="none")
     groups = get_kv_cache_groups(vc, specs)
     page = max(g.kv_cache_spec.page_size_bytes for g in groups)
-    kvc = get_kv_cache_config_from_groups(vc, groups, available_memory=page * len(specs) * shape.num_blocks)
-    kvc.kv_cache_layout = "LBHNC"
-    return vc, kvc
+    return get_kv_cache_config_from_groups(vc, groups, available_memory=page * len(specs) * num_blocks)
 
 
 def blocks_per_request(kvc, tokens: int) -> int:
