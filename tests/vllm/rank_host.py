@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -179,21 +178,11 @@ def host_main(conn, env: dict[str, str]) -> None:
     os.environ.update(env)
     logging.basicConfig(level=os.environ.get("HT_TEST_LOG", "WARNING"))
     import hybrid_transfer.integrations.vllm  # noqa: F401 - pay vLLM's import now, while the test sets up
+    from hybrid_transfer.integrations.vllm_peer.pipe import serve
 
     state = _State()
     try:
-        while True:
-            if not conn.poll(IDLE_S):
-                continue
-            message = conn.recv()
-            if message is None:
-                break
-            op, args = message
-            try:
-                reply = ("ok", _OPS[op](state, *args))
-            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the test
-                reply = ("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
-            conn.send(reply)
+        serve(conn, lambda op, args: _OPS[op](state, *args), IDLE_S)
     finally:
         for key in list(state.ranks):
             op_shutdown(state, key)
@@ -235,12 +224,6 @@ class Host:
         self.process.join()
 
     def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        from hybrid_transfer.integrations.vllm_peer import pipe
+
+        pipe.close(self.process, self.conn)

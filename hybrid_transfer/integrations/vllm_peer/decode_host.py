@@ -12,10 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import time
-import traceback
 from dataclasses import dataclass
 
 from hybrid_transfer.errors import BenchError
+from hybrid_transfer.integrations.vllm_peer.pipe import serve
 
 WAVE_DEADLINE_S = 120.0
 IDLE_POLL_S = 0.05
@@ -134,16 +134,6 @@ def host_main(conn, env: dict[str, str]) -> None:
     torch.set_num_threads(1)
     host = _Host()
     try:
-        while True:
-            if not conn.poll(IDLE_POLL_S):
-                continue
-            message = conn.recv()
-            if message is None:
-                break
-            op, args = message
-            try:
-                conn.send(("ok", _call(host, op, args)))
-            except BaseException as exc:  # noqa: BLE001 - every failure goes back to the orchestrator
-                conn.send(("err", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        serve(conn, lambda op, args: _call(host, op, args), IDLE_POLL_S)
     finally:
         host.close()

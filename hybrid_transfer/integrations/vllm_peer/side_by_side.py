@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 from hybrid_transfer.errors import BenchError, ConfigError
+from hybrid_transfer.integrations.vllm_peer import pipe
 from hybrid_transfer.integrations.vllm_peer.decode_host import WAVE_DEADLINE_S, WaveFigures, WaveRequest, host_main
 from hybrid_transfer.integrations.vllm_peer.model import (
     CONNECTORS,
@@ -192,15 +193,7 @@ class _DecodeProcess:
         return value
 
     def close(self) -> None:
-        if self.process.is_alive():
-            try:
-                self.conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-            self.process.join(timeout=30)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
+        pipe.close(self.process, self.conn)
 
 
 def engine_shape(spec: PeerSpec) -> EngineShape:
