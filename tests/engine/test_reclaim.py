@@ -72,6 +72,14 @@ def _consumer(worker: Worker, engine_id: str) -> str:
     return key
 
 
+def _welcomed_consumer(worker: Worker, producers: EngineRanks) -> str:
+    """A consumer on ``worker`` (a fresh engine id), connected to the producer and welcomed; its key."""
+    ck = _consumer(worker, f"decode-{uuid.uuid4().hex[:6]}")
+    worker.call("connect", ck, producers.addresses[0], 10.0)
+    _until("the welcome", lambda: worker.call("call", status, ck)["stats"]["welcomes"] == 1)
+    return ck
+
+
 def _claimed_reads(producers: EngineRanks, c_worker: Worker, ck: str, n: int, welcomes: int = 1) -> list[str]:
     """Link the consumer, read ``n`` requests, pause it once the producer confirmed every claim."""
     p_worker, pk = producers.workers[0], producers.keys[0]
@@ -155,9 +163,7 @@ def test_row6_a_consumer_killed_with_four_claims_still_queued_gives_every_hold_b
     producers = _producer(p_worker, PROBE_S)
     pk = producers.keys[0]
     try:
-        ck = _consumer(victim, f"decode-{uuid.uuid4().hex[:6]}")
-        victim.call("connect", ck, producers.addresses[0], 10.0)
-        _until("the welcome", lambda: victim.call("call", status, ck)["stats"]["welcomes"] == 1)
+        ck = _welcomed_consumer(victim, producers)
         rids = [f"q{i}-{uuid.uuid4().hex[:4]}" for i in range(4)]
         tickets = [hold_everywhere(producers, rid, _layout(i), seed=40 + i) for i, rid in enumerate(rids)]
         p_worker.call("call", pause, pk)  # the claims queue up in its NIXL agent
@@ -186,9 +192,7 @@ def test_row6_claims_kept_before_their_hold_are_revoked_at_the_hold_once_the_age
     producers = _producer(p_worker, PROBE_S)
     pk = producers.keys[0]
     try:
-        ck = _consumer(victim, f"decode-{uuid.uuid4().hex[:6]}")
-        victim.call("connect", ck, producers.addresses[0], 10.0)
-        _until("the welcome", lambda: victim.call("call", status, ck)["stats"]["welcomes"] == 1)
+        ck = _welcomed_consumer(victim, producers)
         card = EngineCard.from_ranks([p_worker.call("call", rank_card, pk)])
         rids = [f"k{i}-{uuid.uuid4().hex[:4]}" for i in range(4)]
         tickets = [issue_ticket(card, rid, _layout(i).block_ids, 20) for i, rid in enumerate(rids)]
