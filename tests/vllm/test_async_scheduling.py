@@ -55,6 +55,24 @@ def _assert_async(engine: Engine) -> None:
     assert engine.call("call", state_dtype) == "bfloat16"  # the connector's geometry followed the live spec
 
 
+@contextlib.contextmanager
+def _async_pair(model_dir, hosts, prefill: dict | None = None, decode: dict | None = None):
+    """(prefill, decode) engines on AsyncScheduler, what vLLM resolved asserted on both; both shut down after."""
+    p = _engine("P", model_dir, hosts["prefill"], prefill=True, **(prefill or {}))
+    try:
+        d = _engine("D", model_dir, hosts["decode"], prefill=False, **(decode or {}))
+    except BaseException:
+        p.shutdown()
+        raise
+    try:
+        _assert_async(p)
+        _assert_async(d)
+        yield p, d
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
 class _Run:
     """Steps prefill and decode engines, eagerly or through a batch queue; checks each load as it is reported."""
 
@@ -128,21 +146,16 @@ def test_async_scheduling_both_sides_n_minus_1_and_64_concurrent_requests(model_
     """64 requests (lazy) with several prompts per prefill step, or 8 (eager); N-1 on both sides; bytes verified."""
     count = 64 if lazy else 8
     # 99 tokens at 16 per block: 7 attention + 3 state blocks held per hand-off until decode reads them.
-    p = _engine("P", model_dir, hosts["prefill"], prefill=True, max_num_seqs=count, num_blocks=count * 10 + 16,
-                max_num_batched_tokens=1024, extra={"max_held_blocks": count * 10})
-    d = _engine("D", model_dir, hosts["decode"], prefill=False, max_num_seqs=count, num_blocks=count * 7 + 16)
-    try:
-        _assert_async(p)
-        _assert_async(d)
+    with _async_pair(model_dir, hosts,
+                     prefill={"max_num_seqs": count, "num_blocks": count * 10 + 16, "max_num_batched_tokens": 1024,
+                              "extra": {"max_held_blocks": count * 10}},
+                     decode={"max_num_seqs": count, "num_blocks": count * 7 + 16}) as (p, d):
         run = _Run(p, d, lazy=lazy)
         tags = [f"{'l' if lazy else 'e'}{i}" for i in range(count)]
         _prefill_all(run, tags)
         assert max(run.scheduled_prefills) >= 2  # several prompts per prefill step
         _decode_all(run, tags)
         run.until("both engines empty", run.drained)
-    finally:
-        p.shutdown()
-        d.shutdown()
 
 
 @pytest.mark.parametrize("guarded", [True, False], ids=["connector-groups", "switched-off"])
@@ -154,11 +167,7 @@ def test_zeroing_landing_after_the_read(model_dir, hosts, guarded):
     transfer group in ``get_loaded_kv_cache_group_ids``, so vLLM zeroes none of them; switched off
     (no group named), vLLM zeroes the attention blocks and the check must fail.
     """
-    p = _engine("P", model_dir, hosts["prefill"], prefill=True)
-    d = _engine("D", model_dir, hosts["decode"], prefill=False)
-    try:
-        _assert_async(p)
-        _assert_async(d)
+    with _async_pair(model_dir, hosts) as (p, d):
         run = _Run(p, d, lazy=False)
         _prefill_all(run, ["warm", "race"])
         _decode_all(run, ["warm"])  # links the consumer to the producer: the race's READ posts at once
@@ -183,9 +192,6 @@ def test_zeroing_landing_after_the_read(model_dir, hosts, guarded):
         else:
             assert run.loaded["d-race"] > 0  # the check bites: the model of the race is real
         run.until("both engines empty", run.drained)
-    finally:
-        p.shutdown()
-        d.shutdown()
 
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred-free", "switched-off"])
@@ -197,12 +203,8 @@ def test_a_finished_requests_in_flight_step_does_not_write_a_loaded_request(mode
     of the pool until step N lands, so S's READ lands after N's writes. Without it S gets R's
     blocks at once, its READ lands, then N's writes land on S's bytes: the check must fail.
     """
-    p = _engine("P", model_dir, hosts["prefill"], prefill=True)
     # 100 + 8 tokens at 32 per block: 4 attention blocks + 3 GDN state blocks; one request fits (+ the null block).
-    d = _engine("D", model_dir, hosts["decode"], prefill=False, num_blocks=8)
-    try:
-        _assert_async(p)
-        _assert_async(d)
+    with _async_pair(model_dir, hosts, decode={"num_blocks": 8}) as (p, d):
         if not deferred:
             d.scheduler.defer_block_free = False
         run = _Run(p, d, lazy=False)
@@ -230,21 +232,16 @@ def test_a_finished_requests_in_flight_step_does_not_write_a_loaded_request(mode
         else:
             assert run.loaded["d-s"] > 0  # the check bites: the model of the race is real
         run.until("both engines empty", run.drained)
-    finally:
-        p.shutdown()
-        d.shutdown()
 
 
 def test_decode_aborts_while_a_step_is_in_flight(model_dir, hosts):
     """40 of 48 decode requests aborted between a step's launch and its landing, in every state a load passes
     through (waiting for blocks, waiting for its READ, running); the other 8 verify and both engines end empty."""
     count, num_aborts = 48, 40
-    p = _engine("P", model_dir, hosts["prefill"], prefill=True, max_num_seqs=count, num_blocks=count * 10 + 16,
-                max_num_batched_tokens=1024, extra={"max_held_blocks": count * 10})
-    d = _engine("D", model_dir, hosts["decode"], prefill=False, max_num_seqs=16, num_blocks=16 * 7 + 8)
-    try:
-        _assert_async(p)
-        _assert_async(d)
+    with _async_pair(model_dir, hosts,
+                     prefill={"max_num_seqs": count, "num_blocks": count * 10 + 16, "max_num_batched_tokens": 1024,
+                              "extra": {"max_held_blocks": count * 10}},
+                     decode={"max_num_seqs": 16, "num_blocks": 16 * 7 + 8}) as (p, d):
         run = _Run(p, d, lazy=True)
         tags = [f"a{i}" for i in range(count)]
         _prefill_all(run, tags)
@@ -273,19 +270,12 @@ def test_decode_aborts_while_a_step_is_in_flight(model_dir, hosts):
         assert all(requests[t].status is RequestStatus.FINISHED_ABORTED for t in aborted)
         run.until("both engines empty", run.drained)
         assert p.call("producer")["num_held_requests"] == 0  # every aborted read freed its hold
-    finally:
-        p.shutdown()
-        d.shutdown()
 
 
 def test_prefill_aborts_across_chunk_offsets_while_a_step_is_in_flight(model_dir, hosts):
     """12 prefills aborted at chunk offsets 0-3 (32-token chunks) between a step's launch and landing: none hands
     off or holds anything; two honest ones among them hand off and verify."""
-    p = _engine("P", model_dir, hosts["prefill"], prefill=True, max_num_batched_tokens=32)
-    d = _engine("D", model_dir, hosts["decode"], prefill=False)
-    try:
-        _assert_async(p)
-        _assert_async(d)
+    with _async_pair(model_dir, hosts, prefill={"max_num_batched_tokens": 32}) as (p, d):
         run = _Run(p, d, lazy=True)
         targets = {f"c{i}": (i % 4) * 32 for i in range(12)}  # abort once this many prompt tokens were scheduled
         honest = ["h0", "h1"]
@@ -309,6 +299,3 @@ def test_prefill_aborts_across_chunk_offsets_while_a_step_is_in_flight(model_dir
         _decode_all(run, honest)
         run.until("both engines empty", run.drained)
         assert p.call("producer") == {"num_held_requests": 0, "num_held_blocks": 0}
-    finally:
-        p.shutdown()
-        d.shutdown()
