@@ -90,17 +90,7 @@ def land(engine: Engine, launched: Launched) -> StepResult:
         engine.call("call", apply_pending, launched.step_id, rank=rank)
     merged = engine.aggregator.aggregate(launched.runner_outputs)
     engine_outputs = engine.scheduler.update_from_output(launched.out, merged)
-    result = StepResult(scheduled=dict(launched.out.num_scheduled_tokens))
-    kv = merged.kv_connector_output
-    if kv is not None:
-        result.finished_sending = set(kv.finished_sending or ())
-        result.finished_recving = set(kv.finished_recving or ())
-        result.failed_recving = set(kv.failed_recving or ())
-    for outputs in engine_outputs.values():
-        for o in outputs.outputs:
-            if o.finish_reason is not None:
-                result.finished[o.request_id] = o
-    return result
+    return StepResult.of(launched.out, merged, engine_outputs)
 
 
 def _forward_writes(engine: Engine, out) -> list[int]:

@@ -45,6 +45,21 @@ class StepResult:
     failed_recving: set[str] = field(default_factory=set)
     scheduled: dict[str, int] = field(default_factory=dict)  # request id -> tokens scheduled this step
 
+    @classmethod
+    def of(cls, out, merged, engine_outputs) -> StepResult:
+        """What a step did: the scheduler's output ``out``, the merged runner output and update_from_output's."""
+        result = cls(scheduled=dict(out.num_scheduled_tokens))
+        kv = merged.kv_connector_output
+        if kv is not None:
+            result.finished_sending = set(kv.finished_sending or ())
+            result.finished_recving = set(kv.finished_recving or ())
+            result.failed_recving = set(kv.failed_recving or ())
+        for outputs in engine_outputs.values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    result.finished[o.request_id] = o
+        return result
+
 
 class Engine:
     """One vLLM engine: its real Scheduler here, one worker-side connector per TP rank on ``hosts``."""
@@ -104,17 +119,7 @@ class Engine:
         merged = self.aggregator.aggregate(runner_outputs)
         engine_outputs = self.scheduler.update_from_output(out, merged)
         self.num_steps += 1
-        result = StepResult(scheduled=dict(out.num_scheduled_tokens))
-        kv = merged.kv_connector_output
-        if kv is not None:
-            result.finished_sending = set(kv.finished_sending or ())
-            result.finished_recving = set(kv.finished_recving or ())
-            result.failed_recving = set(kv.failed_recving or ())
-        for outputs in engine_outputs.values():
-            for o in outputs.outputs:
-                if o.finish_reason is not None:
-                    result.finished[o.request_id] = o
-        return result
+        return StepResult.of(out, merged, engine_outputs)
 
     def _fills(self, out) -> list[tuple[RequestLayout, int]]:
         """The prefill forward's writes: every scheduled request's blocks, up to its computed tokens."""
