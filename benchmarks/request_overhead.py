@@ -3,7 +3,7 @@
 One spawned process per producer rank and one for the measured consumer (decode rank 0), loopback,
 default EngineConfig (coalesced plans, DIRECT descriptors). Inside the consumer, every call into the
 NIXL agent (descriptor lists, initialize_xfer, transfer, check_xfer_state, release, notifications) is
-timed by a wrapper; the consumer's Python work is the rest:
+timed by a wrapper (hybrid_transfer/bench/hooks.py); the consumer's Python work is the rest:
 
   start_read   the call (plan, validation, post), and of it: NIXL, the planner (plan), the Python inside
                _post less NIXL (post: descriptor lists, handles, the claim) and the rest less NIXL (checks:
@@ -45,30 +45,6 @@ CASES = {
     "p1d1": {"preset": "qwen3.5-397b-a17b", "prefill_tp": 1, "decode_tp": 1, "tokens": 8192},
     "p2d8": {"preset": "qwen3.5-397b-a17b", "prefill_tp": 2, "decode_tp": 8, "tokens": 8192},
 }
-_NIXL_CALLS = ("get_xfer_descs", "initialize_xfer", "transfer", "check_xfer_state", "release_xfer_handle",
-               "prep_xfer_dlist", "make_prepped_xfer", "release_dlist_handle", "send_notif", "get_new_notifs")
-
-
-class _Timed:
-    """Stands in for a nixl_agent: the calls above are timed into ``spent`` (seconds), the rest passed through."""
-
-    def __init__(self, inner):
-        self._inner = inner
-        self.spent = 0.0
-
-    def __getattr__(self, name):
-        attr = getattr(self._inner, name)
-        if name not in _NIXL_CALLS:
-            return attr
-
-        def timed(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return attr(*args, **kwargs)
-            finally:
-                self.spent += time.perf_counter() - t0
-
-        return timed
 
 
 def _producer(conn, preset, tp_size, rank, num_blocks, device) -> None:
@@ -100,12 +76,12 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
     import pstats
 
     from hybrid_transfer import Consumer, HybridCache
+    from hybrid_transfer.bench.hooks import time_nixl_calls
     from hybrid_transfer.verify import make_request
 
     geometry = _geometry(preset, decode_tp, 0)
     consumer = Consumer(HybridCache.allocate(geometry, num_blocks, _device(device)))
-    timed = _Timed(consumer.agent._agent)
-    consumer.agent._agent = timed
+    timed = time_nixl_calls(consumer)  # NIXL's data-path calls on this thread, timed into timed.spent
     plan_s = [0.0]
     plan = consumer._plan
 
@@ -175,14 +151,14 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
 def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, batch, batching) -> None:
     """One step of ``batch`` requests per repetition through start_reads; worker-thread time per request."""
     from hybrid_transfer import Consumer, EngineConfig, HybridCache
+    from hybrid_transfer.bench.hooks import time_nixl_calls
     from hybrid_transfer.engine.read_batch import Read
     from hybrid_transfer.verify import make_requests
 
     geometry = _geometry(preset, decode_tp, 0)
     consumer = Consumer(HybridCache.allocate(geometry, num_blocks, _device(device)),
                         EngineConfig(read_batching=batching))
-    timed = _Timed(consumer.agent._agent)
-    consumer.agent._agent = timed
+    timed = time_nixl_calls(consumer)  # NIXL's data-path calls on this thread, timed into timed.spent
     consumer.connect(conn.recv())
     rows = []
     for frag in (0.0, 1.0):
