@@ -175,6 +175,9 @@ class Consumer(ProducerNotes):
         self._inbox = Inbox(self.config.notifications_per_poll, self.config.notification_backlog_bytes)
         self._leftovers = 0  # quarantine entries of DONE handles NIXL did not let go of at once
         self._declines = Declines(self.agent.name)  # tickets declined, waiting for their engine's link
+        self._unloaded: list[str] = []  # producer agents of dropped links, removed from NIXL at the next poll
+        self._peers.in_use = self._links_in_use  # an idle link may be evicted (max_links), a busy one never
+        self._peers.on_drop = self._drop_link
         self._batched = self.config.read_batching == "per_step"  # docs/lifecycle.md#batched-reads
         self._outbox = read_batch.Outbox()  # per_step: completions leave as one Completions per agent per call
         self._ready: list = []  # per_step: (request, plan) linked during this poll, posted together at its end
@@ -343,6 +346,7 @@ class Consumer(ProducerNotes):
         # Also progresses NIXL (progress thread OFF): flushes our notifications, serves peers' wire-up.
         # Revocations are taken in before any READ is judged DONE (see the module docstring).
         self._take_notifications()
+        self._unload()
         self._log.flush()
         self._pack.expire_waits()  # pack: sources whose Staged notification never came read directly
         now = self._clock()
@@ -495,6 +499,11 @@ class Consumer(ProducerNotes):
     @property
     def num_active(self) -> int:
         return len(self._requests)
+
+    @property
+    def num_peer_records(self) -> int:
+        """Producer agents this rank keeps a PeerRecord of: at most those of the links it holds."""
+        return len(self._records)
 
     @property
     def num_quarantined_blocks(self) -> int:

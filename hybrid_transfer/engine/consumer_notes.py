@@ -180,8 +180,38 @@ class ProducerNotes:
             else:
                 self.stats.heartbeat_failures += 1
 
+    def _links_in_use(self) -> set[EngineLink]:
+        """Links a request (active, or ended and not yet reported) or a pending decline still needs."""
+        used = {req.link.resolve() for req in self._requests.values()}
+        return used | self._declines.links()
+
+    def _drop_link(self, link: EngineLink) -> None:
+        """An idle ready link goes (Peers evicted or replaced it): Bye to each producer agent we greeted (it
+        forgets us), and the agents leave NIXL at the next poll, once the Byes are out."""
+        sent, failed = self._outbox.flush(self._send_body, self.tp_rank)  # nothing of ours may follow the Bye
+        self.stats.notifications_sent += sent
+        self.stats.notify_failures += failed
+        bye = wire.encode(wire.Bye(consumer_rank=self.tp_rank), self._digest)
+        for agent in link.agents.values():
+            record = self._records.get(agent)
+            if record is not None and record.stage in (PeerStage.GREETED, PeerStage.WELCOMED):
+                self._send(agent, bye)
+            self._unloaded.append(agent)
+
+    def _unload(self) -> None:
+        """Remove from NIXL the producer agents of dropped links (unless linked again since)."""
+        unloaded, self._unloaded = self._unloaded, []
+        for agent in unloaded:
+            if agent not in self._records:
+                try:
+                    self.agent.remove_remote(agent)
+                except EngineError as exc:
+                    log.info("consumer %s: %s", self.agent.name, exc)
+
     def _lose(self, agent: str, error: BaseException) -> None:
-        record = self._records.setdefault(agent, PeerRecord(agent))
+        record = self._records.get(agent)
+        if record is None:
+            return  # not an agent of a link we hold (its link was dropped idle): nothing depends on it
         if record.stage is not PeerStage.GONE:
             advance(record, PeerStage.GONE, self._clock())
             record.error = error

@@ -40,6 +40,10 @@ class Declines:
     def __contains__(self, key: object) -> bool:
         return key in self._waiting
 
+    def links(self) -> set[EngineLink]:
+        """The links these declines wait for (they must not be evicted)."""
+        return {d.link.resolve() for d in self._waiting.values()}
+
     def add(self, ticket: wire.Ticket, link: EngineLink, deadline: float) -> None:
         self._waiting[(ticket.request_id, ticket.nonce)] = _Decline(ticket, link, deadline)
 

@@ -14,8 +14,12 @@ producer's refusal cause from the wire, or "timeout", "unreachable", ...) and is
 a backoff of 0.5 s doubling to 30 s; a ticket during the backoff fails at once naming the cause.
 A reply from another engine than the ticket named fails the ticket's requests but leaves that key
 unpoisoned (the addresses were the ticket's claim, not the engine's). Bounds, per consumer across
-all engines: ``max_links`` links (failed ones evicted least recently used first) and
-``max_handshake_sockets`` handshakes in flight, one ZeroMQ socket each.
+all engines: ``max_links`` links and ``max_handshake_sockets`` handshakes in flight, one ZeroMQ socket
+each. To make room for a new engine the least recently used failed link goes first, else the least
+recently used ready link the owner reports idle (``in_use``: no request, no pending decline); only when
+every link is in use is the new engine refused (cause "capacity"). A link that goes (evicted, expired,
+or its engine replaced by a newer incarnation once idle) takes its agents' PeerRecords with it, after
+``on_drop`` (the owner says Bye), so ``records`` holds at most the agents of the links held.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from hybrid_transfer.engine import auth, handshake, wire
@@ -86,7 +90,10 @@ class EngineLink:
 class LinkStats:
     failures: int = 0  # links that failed (each starts a backoff)
     retries: int = 0  # handshakes started again after a backoff
-    evicted: int = 0  # failed links dropped to make room for a new one (max_links), least recently used first
+    evicted: int = 0  # links dropped to make room for a new one (max_links): failed ones, then idle ready ones
+    evicted_ready: int = 0  # ... of them, idle ready links (their producers were told Bye)
+    replaced: int = 0  # idle links of an engine dropped because a newer incarnation of it linked
+    records_dropped: int = 0  # producer agents' PeerRecords dropped with their link
     expired: int = 0  # failed links forgotten BACKOFF_MAX_S after their retry time, nobody having asked
 
 
@@ -115,6 +122,9 @@ class Peers:
         self._client = HandshakeClient(curve, max_sockets=max_sockets)
         self._links: OrderedDict[tuple[str, int], EngineLink] = OrderedDict()  # least recently used first
         self._pending: dict[str, EngineLink] = {}  # address awaiting a reply -> its link
+        self._replaced: set[tuple[str, int]] = set()  # keys of older incarnations, dropped once idle
+        self.in_use: Callable[[], Collection[EngineLink]] = tuple  # set by the owner: links a request or decline needs
+        self.on_drop: Callable[[EngineLink], None] = lambda link: None  # ... before a ready link's records go
         self.stats = LinkStats()
 
     @property
@@ -161,7 +171,7 @@ class Peers:
             raise HandshakeError(f"{self._client.num_sockets} handshakes are in flight; {len(addresses)} more would "
                                  f"pass max_handshake_sockets={self._max_sockets}", cause="capacity", engine_key=key)
         if link is not None:
-            del self._links[key]
+            self._drop(key)
             self.stats.retries += 1
         else:
             self._make_room(key)
@@ -221,23 +231,51 @@ class Peers:
                 self._fail(link, HandshakeTimeout(address=address, timeout_s=self._timeout_s))
         for key, link in list(self._links.items()):
             if link.state is LinkState.FAILED and now >= link.retry_at + BACKOFF_MAX_S:
-                del self._links[key]
+                self._drop(key)
                 self.stats.expired += 1
+        busy = self.in_use() if self._replaced else ()
+        for key in list(self._replaced):
+            link = self._links.get(key)
+            if link is None:
+                self._replaced.discard(key)
+            elif link not in busy:
+                self._replaced.discard(key)
+                self._drop(key)
+                self.stats.replaced += 1
 
     def _make_room(self, key: tuple[str, int]) -> None:
-        """Evict the least recently used failed link when max_links are held.
+        """Evict the least recently used failed link when max_links are held, else the least recently used
+        ready link not in use.
 
         Raises:
-            HandshakeError: every link held is live (cause "capacity").
+            HandshakeError: every link held is handshaking or in use (cause "capacity").
         """
         if len(self._links) < self._max_links:
             return
         victim = next((k for k, link in self._links.items() if link.state is LinkState.FAILED), None)
         if victim is None:
-            raise HandshakeError(f"this consumer holds max_links={self._max_links} links to producer engines and "
-                                 "none has failed", cause="capacity", engine_key=key)
-        del self._links[victim]
+            busy = self.in_use()
+            victim = next((k for k, link in self._links.items()
+                           if link.state is LinkState.READY and link not in busy), None)
+        if victim is None:
+            raise HandshakeError(f"this consumer holds max_links={self._max_links} links to producer engines, each "
+                                 "handshaking or in use by a request or decline", cause="capacity", engine_key=key)
+        if self._links[victim].state is LinkState.READY:
+            self.stats.evicted_ready += 1
+            log.info("consumer %s: idle link to producer engine %s evicted for %s (max_links=%d)",
+                     self._agent.name, victim, key, self._max_links)
+        self._drop(victim)
         self.stats.evicted += 1
+
+    def _drop(self, key: tuple[str, int]) -> None:
+        """Forget a link and its agents' records (a ready one's producers are told Bye first, ``on_drop``)."""
+        link = self._links.pop(key)
+        self._replaced.discard(key)
+        if link.state is LinkState.READY:
+            self.on_drop(link)
+        for name in link.agents.values():
+            if self.records.pop(name, None) is not None:
+                self.stats.records_dropped += 1
 
     def _send(self, link: EngineLink, address: str) -> None:
         if link.state is LinkState.FAILED:
@@ -350,7 +388,7 @@ class Peers:
                                  f"{self._max_sockets}", cause="capacity")
         if failed is not None:
             link.failures = failed.failures
-            del self._links[key]
+            self._drop(key)
         else:
             self._make_room(key)
         link.key, link.addresses = key, addresses
@@ -379,6 +417,8 @@ class Peers:
         link.planner = planner
         link.state = LinkState.READY
         link.failures = 0
+        engine_id, incarnation = link.key
+        self._replaced.update(k for k in self._links if k[0] == engine_id and k[1] != incarnation)
         log.info("consumer %s linked to producer engine %s (TP %d)", self._agent.name, link.key,
                  len(link.addresses))
 
@@ -414,11 +454,15 @@ class Peers:
                     link.retry_at - self._clock())
 
     def _has_room(self) -> bool:
-        """Room for one more link (evicting a failed one if need be)."""
-        try:
-            self._make_room(("", 0))
-        except HandshakeError:
+        """Room for one more link, evicting the least recently used failed one if need be (never a ready one:
+        a failure's record is not worth an idle link)."""
+        if len(self._links) < self._max_links:
+            return True
+        victim = next((k for k, link in self._links.items() if link.state is LinkState.FAILED), None)
+        if victim is None:
             return False
+        self._drop(victim)
+        self.stats.evicted += 1
         return True
 
     def close(self) -> None:

@@ -339,3 +339,59 @@ def test_handshake_sockets_and_links_are_capped_and_failed_links_are_evicted_lea
         clock.now += 2.0
         c.poll()
         assert c.num_handshake_sockets == 0
+
+
+# ---- idle ready links make room (issue 19 Deliver 3: links capped per consumer, the table never stuck) ---------
+def _byes_seen(producers, byes: int) -> bool:
+    """Poll the producers until they have taken in ``byes`` Byes together (False when they did not in time)."""
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline:
+        for producer in producers:
+            producer.poll()
+        if sum(p.stats.byes for p in producers) >= byes:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def test_a_third_engine_evicts_the_idle_least_recently_used_ready_link_and_the_evicted_one_links_again():
+    """Once max_links engines were linked, a ticket for another engine used to fail with "capacity" for good."""
+    config = EngineConfig(max_links=2)
+    with (_producer(engine_id="pa") as a, _producer(engine_id="pb") as b, _producer(engine_id="pc") as p,
+          _consumer(config) as c):
+        producers = [a, b, p]
+        for producer, seed in zip(producers, (3, 4, 5), strict=True):
+            fill_source(producer.cache, LAYOUT, seed)
+        _read(c, producers, a.hold("a1", LAYOUT.block_ids, 20), LOCAL, 3)
+        _read(c, producers, b.hold("b1", LAYOUT.block_ids, 20), OTHER_LOCAL, 4, [(LOCAL, 3)])
+        assert c.num_links == 2 and c.num_peer_records == 2
+        _read(c, producers, p.hold("c1", LAYOUT.block_ids, 20), LOCAL, 5, [(OTHER_LOCAL, 4)])  # evicts pa (LRU)
+        assert c.num_links == 2 and c.link_stats.evicted_ready == 1 and c.num_peer_records == 2
+        assert _byes_seen([a], 1)  # pa was told Bye: it forgot this consumer agent
+        _read(c, producers, a.hold("a2", LAYOUT.block_ids, 20), OTHER_LOCAL, 3, [(LOCAL, 5)])  # pa: evicts pb
+        assert c.link_stats.evicted_ready == 2 and c.num_links == 2 and c.num_peer_records == 2
+        assert c.metrics().links_evicted == 2 and _byes_seen([a, b], 2)
+
+
+def test_a_link_a_request_needs_is_never_evicted_and_capacity_is_refused_only_when_every_link_is_busy():
+    config = EngineConfig(max_links=2)
+    with (_producer(engine_id="pa") as a, _producer(engine_id="pb") as b, _producer(engine_id="pc") as p,
+          _consumer(config) as c):
+        producers = [a, b, p]
+        for producer, seed in zip(producers, (3, 4, 5), strict=True):
+            fill_source(producer.cache, LAYOUT, seed)
+        _read(c, producers, b.hold("b1", LAYOUT.block_ids, 20), OTHER_LOCAL, 4)
+        _read(c, producers, a.hold("a1", LAYOUT.block_ids, 20), LOCAL, 3, [(OTHER_LOCAL, 4)])  # pb is the LRU now
+        c.start_read(b.hold("b2", LAYOUT.block_ids, 20), OTHER_LOCAL.block_ids)  # both links busy
+        c.start_read(a.hold("a2", LAYOUT.block_ids, 20), LOCAL.block_ids)
+        with pytest.raises(HandshakeError) as info:
+            c.start_read(p.hold("c1", LAYOUT.block_ids, 20), [[0, 1], [2], [3], [4]])
+        assert info.value.cause == "capacity" and c.link_stats.evicted == 0 and c.num_links == 2
+        assert _wait(c, [a], "a2").state is ReadState.DONE  # pb is not polled: b2 waits for its claim's answer
+        assert c.is_active("b2")
+        c.start_read(p.hold("c2", LAYOUT.block_ids, 20), LOCAL.block_ids)  # pa is idle: evicted, pb is busy
+        assert c.link_stats.evicted_ready == 1 and c.num_links == 2
+        assert _wait(c, producers, "b2").state is ReadState.DONE
+        check_destination_many(c.cache, [(OTHER_LOCAL, 4), (LOCAL, 3)])
+        assert _wait(c, producers, "c2").state is ReadState.DONE
+        check_destination_many(c.cache, [(OTHER_LOCAL, 4), (LOCAL, 5)])

@@ -13,16 +13,22 @@ Nothing raises out of a hook: vLLM runs every hook for the whole batch, so an ex
 fail every request of the step. Each order is acted on alone; whatever it raises, typed or not
 (a ZeroMQ or NIXL error), fails that request only and is logged. Every ticket is checked again
 here (params.recheck_ticket) before anything connects or pins.
+
+A hostile client can send a refused ticket with every request: each refusal (the worker's check, the
+consumer's, a decline refused for a bad MAC or a producer not allowed) is counted in ``counts`` and
+logged once per cause per interval (engine/log_gate.py), never once per request.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.consumer import Consumer
 from hybrid_transfer.engine.lifecycle.state import ReadState
+from hybrid_transfer.engine.log_gate import LogGate
 from hybrid_transfer.engine.producer import Producer
 from hybrid_transfer.engine.read_batch import Read
 from hybrid_transfer.engine.tickets import encode_rank_card
@@ -55,6 +61,10 @@ class WorkerSide:
         self._reads: dict[str, tuple[str, ReadOrder]] = {}
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        # reads_refused (the worker's or the consumer's check), loads_failed (the scheduler's fail orders),
+        # declines_refused (a ticket not trusted with a decline: a bad MAC, a producer not allowed)
+        self.counts: Counter[str] = Counter()
+        self._log = LogGate(log, time.monotonic)
 
     @property
     def consumer(self) -> Consumer:
@@ -118,7 +128,9 @@ class WorkerSide:
                 ticket = kvp.recheck_ticket(order.ticket)
                 _check_local_ids(order, ticket, self.engine.cache.num_blocks)
             except HybridTransferError as exc:
-                log.error("hybrid-transfer: read of %s refused by the worker's check: %s", rid, str(exc)[:200])
+                self.counts["reads_refused"] += 1
+                self._log.log(logging.ERROR, f"read refused: {type(exc).__name__}",
+                              "hybrid-transfer: read of %s refused by the worker's check: %s", rid, str(exc)[:200])
                 self._fail(rid, None)  # a ticket the worker refuses is not trusted with a decline either
                 continue
             checked.append((rid, order, ticket))
@@ -128,15 +140,19 @@ class WorkerSide:
                                             for _, order, ticket in checked])
         for (rid, order, ticket), exc in zip(checked, errors, strict=True):
             if exc is not None:
-                log.error("hybrid-transfer: read of %s refused before any byte moved: %s: %s", rid,
-                          type(exc).__name__, str(exc)[:200])
+                self.counts["reads_refused"] += 1
+                self._log.log(logging.ERROR, f"read refused: {type(exc).__name__}",
+                              "hybrid-transfer: read of %s refused before any byte moved: %s: %s", rid,
+                              type(exc).__name__, str(exc)[:200])
                 # Typed: the producer frees now, not at lease expiry; untyped: nothing to trust a decline with.
                 self._fail(rid, ticket if isinstance(exc, HybridTransferError) else None)
             else:
                 self._reads[ticket.request_id] = (rid, order)
 
     def _fail_order(self, rid: str, fail: FailOrder) -> None:
-        log.warning("hybrid-transfer: load of %s fails without moving a byte: %s", rid, fail.reason)
+        self.counts["loads_failed"] += 1
+        self._log.warning("load failed before any byte", "hybrid-transfer: load of %s fails without moving a byte: %s",
+                          rid, fail.reason)
         self._fail(rid, fail.ticket)
 
     def _fail(self, rid: str, ticket) -> None:
@@ -155,7 +171,9 @@ class WorkerSide:
         try:
             self.consumer.decline(ticket)
         except HybridTransferError as exc:  # the producer's lease frees its blocks instead
-            log.warning("hybrid-transfer: could not decline %s: %s", rid, str(exc)[:200])
+            self.counts["declines_refused"] += 1
+            self._log.warning(f"decline refused: {type(exc).__name__}", "hybrid-transfer: could not decline %s: %s",
+                              rid, str(exc)[:200])
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call; never raises."""
@@ -194,6 +212,7 @@ class WorkerSide:
                                 result.error)
                     self._guarded("zero", rid, self._zero_attention_blocks, order)
                     self._failed_recving.add(rid)
+        self._log.flush()
         recving, failed = self._finished_recving, self._failed_recving
         self._finished_recving, self._failed_recving = set(), set()
         return sending, recving, failed
