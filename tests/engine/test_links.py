@@ -354,11 +354,18 @@ def _byes_seen(producers, byes: int) -> bool:
     return False
 
 
-def test_a_third_engine_evicts_the_idle_least_recently_used_ready_link_and_the_evicted_one_links_again():
-    """Once max_links engines were linked, a ticket for another engine used to fail with "capacity" for good."""
+@pytest.mark.parametrize("with_secret", [True, False], ids=["secret", "no-secret"])
+def test_a_third_engine_evicts_the_idle_least_recently_used_ready_link_and_the_evicted_one_links_again(
+        with_secret, tmp_path):
+    """Once max_links engines were linked, a ticket for another engine used to fail with "capacity" for good.
+    With a secret the link to pa is sealed: after its Bye, pa's second handshake with this agent gets a new key."""
     config = EngineConfig(max_links=2)
-    with (_producer(engine_id="pa") as a, _producer(engine_id="pb") as b, _producer(engine_id="pc") as p,
-          _consumer(config) as c):
+    if with_secret:
+        path = tmp_path / "secret"
+        path.write_bytes(SECRET)
+        config = EngineConfig(max_links=2, secret_file=str(path))
+    with (_producer(config, engine_id="pa") as a, _producer(config, engine_id="pb") as b,
+          _producer(config, engine_id="pc") as p, _consumer(config) as c):
         producers = [a, b, p]
         for producer, seed in zip(producers, (3, 4, 5), strict=True):
             fill_source(producer.cache, LAYOUT, seed)
