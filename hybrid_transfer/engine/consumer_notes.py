@@ -203,6 +203,7 @@ class ProducerNotes:
         unloaded, self._unloaded = self._unloaded, []
         for agent in unloaded:
             if agent not in self._records:
+                self._pack.forget_agent(agent)
                 try:
                     self.agent.remove_remote(agent)
                 except EngineError as exc:

@@ -378,6 +378,7 @@ def test_a_third_engine_evicts_the_idle_least_recently_used_ready_link_and_the_e
         _read(c, producers, a.hold("a2", LAYOUT.block_ids, 20), OTHER_LOCAL, 3, [(LOCAL, 5)])  # pa: evicts pb
         assert c.link_stats.evicted_ready == 2 and c.num_links == 2 and c.num_peer_records == 2
         assert c.metrics().links_evicted == 2 and _byes_seen([a, b], 2)
+        assert len(c._pack._stages) == 2  # the pack reader's per-agent table went with the evicted links
 
 
 def test_a_link_a_request_needs_is_never_evicted_and_capacity_is_refused_only_when_every_link_is_busy():

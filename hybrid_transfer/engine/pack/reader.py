@@ -178,6 +178,12 @@ class PackReader:
         """A producer agent's Welcome: whether it stages (and so sends a Staged for every request)."""
         self._stages[peer] = stages
 
+    def forget_agent(self, peer: str) -> None:
+        """A producer agent's link is gone (evicted or replaced): drop what we kept per agent, so the tables
+        hold at most the agents of the links held (docs/limits.md#consumer-links)."""
+        self._stages.pop(peer, None)
+        self._warned.discard(peer)
+
     def on_staged(self, peer: str, note: wire.Staged) -> None:
         """A producer agent says where it staged a request: post the waiting source's READ, or keep it."""
         self.stats.notes += 1
