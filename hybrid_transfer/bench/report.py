@@ -117,31 +117,37 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:,.{digits}f}"
 
 
-def table_rows(result: BenchResult) -> list[list[str]]:
-    """Rows of the summary table (strings), one per (point, variant)."""
+def _variants(result: BenchResult):
+    """(first cells, variant name, its stats, ceiling GB/s, naive GB/s) per (point, variant), in table order.
+
+    The first cells are the sweep value (when sweeping) and the variant's label (``*`` on the chosen mode).
+    """
     s = result.spec
-    rows = []
     for pr in result.points:
         ceiling = pr.stats[Variant.CEILING.value].gbps
         naive = pr.stats[Variant.NAIVE.value].gbps
         for name, st in pr.stats.items():
-            row = []
-            if s.sweep is not Sweep.NONE:
-                row.append(str(getattr(pr.point, s.sweep.value)))
-            row += [
-                name + ("*" if name == s.mode.value else ""),
-                _fmt(st.gbps) + (f" ({min(st.gbps_rounds):.2f}-{max(st.gbps_rounds):.2f})"
-                                 if len(st.gbps_rounds) > 1 else ""),
-                _fmt(ratio(st.gbps, ceiling)),
-                "-" if name in (Variant.CEILING.value, Variant.COPY.value) else _fmt(ratio(st.gbps, naive)),
-                _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
-                _fmt(st.overhead_ms, 3), _fmt(st.hook_ms, 3), _fmt(st.hook_nixl_ms, 3), _fmt(st.hook_python_ms, 3),
-                _fmt(st.p50_ms), _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
-                "-" if st.gather_ms is None else f"{st.gather_ms:.3f} / {st.scatter_ms:.3f}",
-                f"{sum(st.consumer_cpu_s):.2f} / {sum(st.producer_cpu_s):.2f}",
-                "yes" if st.verified else "no",
-            ]
-            rows.append(row)
+            first = [str(getattr(pr.point, s.sweep.value))] if s.sweep is not Sweep.NONE else []
+            yield first + [name + ("*" if name == s.mode.value else "")], name, st, ceiling, naive
+
+
+def table_rows(result: BenchResult) -> list[list[str]]:
+    """Rows of the summary table (strings), one per (point, variant)."""
+    rows = []
+    for row, name, st, ceiling, naive in _variants(result):
+        row += [
+            _fmt(st.gbps) + (f" ({min(st.gbps_rounds):.2f}-{max(st.gbps_rounds):.2f})"
+                             if len(st.gbps_rounds) > 1 else ""),
+            _fmt(ratio(st.gbps, ceiling)),
+            "-" if name in (Variant.CEILING.value, Variant.COPY.value) else _fmt(ratio(st.gbps, naive)),
+            _fmt(st.descriptors_per_request, 1), _fmt(st.plan_ms, 3), _fmt(st.post_ms, 3),
+            _fmt(st.overhead_ms, 3), _fmt(st.hook_ms, 3), _fmt(st.hook_nixl_ms, 3), _fmt(st.hook_python_ms, 3),
+            _fmt(st.p50_ms), _fmt(st.p99_ms), _fmt(st.notify_lag_p50_ms, 3), _fmt(st.hold_ms, 3),
+            "-" if st.gather_ms is None else f"{st.gather_ms:.3f} / {st.scatter_ms:.3f}",
+            f"{sum(st.consumer_cpu_s):.2f} / {sum(st.producer_cpu_s):.2f}",
+            "yes" if st.verified else "no",
+        ]
+        rows.append(row)
     return rows
 
 
@@ -212,22 +218,17 @@ COMPACT_NOTES = (
 
 def compact_rows(result: BenchResult) -> list[list[str]]:
     """Rows of the default summary (COMPACT_COLUMNS), one per (point, variant): fits 100 columns."""
-    s = result.spec
     rows = []
-    for pr in result.points:
-        ceiling = pr.stats[Variant.CEILING.value].gbps
-        naive = pr.stats[Variant.NAIVE.value].gbps
-        for name, st in pr.stats.items():
-            row = [str(getattr(pr.point, s.sweep.value))] if s.sweep is not Sweep.NONE else []
-            limit = name in (Variant.CEILING.value, Variant.COPY.value)
-            row += [
-                name + ("*" if name == s.mode.value else ""), _num(st.gbps),
-                f"{_short(min(st.gbps_rounds))}-{_short(max(st.gbps_rounds))}" if len(st.gbps_rounds) > 1 else "-",
-                _fmt(ratio(st.gbps, ceiling)), "-" if limit else _fmt(ratio(st.gbps, naive)),
-                _compact_count(st.descriptors_per_request), _num(st.hook_ms, 3), _num(st.hook_nixl_ms, 3),
-                _num(st.hook_python_ms, 3), _num(st.p50_ms), "yes" if st.verified else "no",
-            ]
-            rows.append(row)
+    for row, name, st, ceiling, naive in _variants(result):
+        limit = name in (Variant.CEILING.value, Variant.COPY.value)
+        row += [
+            _num(st.gbps),
+            f"{_short(min(st.gbps_rounds))}-{_short(max(st.gbps_rounds))}" if len(st.gbps_rounds) > 1 else "-",
+            _fmt(ratio(st.gbps, ceiling)), "-" if limit else _fmt(ratio(st.gbps, naive)),
+            _compact_count(st.descriptors_per_request), _num(st.hook_ms, 3), _num(st.hook_nixl_ms, 3),
+            _num(st.hook_python_ms, 3), _num(st.p50_ms), "yes" if st.verified else "no",
+        ]
+        rows.append(row)
     return rows
 
 
