@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hybrid_transfer.engine import inputs
 from hybrid_transfer.engine.ticket_params import ticket_from_params, ticket_to_params
 from hybrid_transfer.engine.wire import Ticket
-from hybrid_transfer.errors import TicketParamsError
+from hybrid_transfer.errors import TicketError, TicketParamsError
 
 DO_REMOTE_DECODE = "do_remote_decode"  # to prefill: hand this request off (cut to N-1, one token)
 DO_REMOTE_PREFILL = "do_remote_prefill"  # to decode: the prompt's cache is read from the ticket's engine
@@ -122,17 +123,18 @@ def check_request_params(params: Any, *, internal_ok: bool = False) -> RequestPa
 
 
 def recheck_ticket(ticket: Any) -> Ticket:
-    """A worker's own look at a ticket it was handed: the same strict codec, after a round trip.
+    """A worker's own look at a ticket it was handed: the engine's ticket check (engine/inputs.py, the one
+    ``Consumer.start_read`` runs), with no JSON round trip on the worker thread.
 
     Raises:
-        TicketParamsError: as ``ticket_from_params``; also for an object that is not a Ticket.
+        TicketParamsError: a field that check refuses (named), or an object that is not a Ticket.
     """
     if not isinstance(ticket, Ticket):
         raise TicketParamsError("not a ticket", field="*", value=type(ticket).__name__)
     try:
-        return ticket_from_params(ticket_to_params(ticket))
-    except TicketParamsError:
-        raise
+        return inputs.ticket(ticket)
+    except TicketError as exc:
+        raise TicketParamsError(str(exc), field=getattr(exc, "field", None) or "*") from exc
     except Exception as exc:  # noqa: BLE001 - as in check_request_params
         raise TicketParamsError(f"does not decode ({type(exc).__name__})", field="*") from exc
 
