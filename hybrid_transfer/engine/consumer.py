@@ -231,15 +231,21 @@ class Consumer(ProducerNotes):
         request as ``start_read`` does.
         """
         self._check_open()
-        errors: list[Exception | None] = []
-        ready = []
-        for read in reads:
+        errors: list[Exception | None] = [None] * len(reads)
+        checked = []
+        for i, read in enumerate(reads):
             try:
-                item = self._admit(*read)
+                checked.append((i, self._check(*read)))
             except Exception as exc:  # noqa: BLE001 - it stays with its request (docstring)
-                errors.append(exc)
+                errors[i] = exc
+        plans = read_batch.plan_step(self, checked)
+        ready = []
+        for i, c in checked:
+            try:
+                item = self._register(c, plans.get(i))
+            except Exception as exc:  # noqa: BLE001 - as above
+                errors[i] = exc
                 continue
-            errors.append(None)
             if item is not None:
                 ready.append(item)
         self._post_all(ready, self._clock())
@@ -278,6 +284,12 @@ class Consumer(ProducerNotes):
     def _admit(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]],
                expected_state_position: int | None = None) -> tuple | None:
         """start_read's checks and bookkeeping; (request, plan) when it can be posted now (raises as start_read)."""
+        c = self._check(ticket, local_block_ids_per_group, expected_state_position)
+        return self._register(c, self._plan(c.ticket, c.ids, c.known) if c.ready else None)
+
+    def _check(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]],
+               expected_state_position: int | None = None) -> read_batch.Checked:
+        """A request's own checks, before anything is registered or planned (raises as start_read)."""
         self._check_open()
         ticket = inputs.ticket(ticket)  # every field's type, range, size and address syntax (engine/inputs.py)
         if expected_state_position is not None:
@@ -298,26 +310,36 @@ class Consumer(ProducerNotes):
         signed = claims.mac_ok(ticket, self._secret)
         known = self._peers.find(ticket.engine_key) if signed else None
         ready = known is not None and known.state is LinkState.READY and known.addresses == ticket.addresses
-        if not ready:  # a ready link's planner validates both sides below: each id is checked once
+        if not ready:  # a ready link's planner validates both sides: each id is checked once
             validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
                                self.cache.num_blocks, exact=False)
-        local = tuple(tuple(arr.tolist()) for arr in ids)
+        return read_batch.Checked(ticket, ids, signed, known, ready)
+
+    def _register(self, c: read_batch.Checked, plan: ReadPlan | Exception | None) -> tuple | None:
+        """Own the request's blocks and track it; (request, plan) when it can be posted now.
+
+        Raises: RequestStateError, BlockBusyError, HandshakeError, or the request's plan error (as start_read)."""
+        ticket, rid = c.ticket, c.ticket.request_id
+        if rid in self._requests:  # listed twice in one step
+            raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
+        local = tuple(tuple(arr.tolist()) for arr in c.ids)
         busy = [b for group in local for b in group if b in self._owners]
         if busy:
             raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
         now = self._clock()
-        link = self._link_for(ticket) if signed else EngineLink(ticket.engine_key, ticket.addresses, now,
-                                                                 LinkState.FAILED, cause="mac")
+        link = self._link_for(ticket) if c.signed else EngineLink(ticket.engine_key, ticket.addresses, now,
+                                                                   LinkState.FAILED, cause="mac")
+        if isinstance(plan, Exception):
+            raise plan  # PlanError: nothing registered yet
         req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
                           changed_at=now, digest=claims.digest_of(ticket))  # the MAC check's, cached
-        plan = self._plan(req, ids) if ready else None  # PlanError: nothing registered yet
         self._requests[rid] = req
         for group in local:
             for b in group:
                 self._owners[b] = rid
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
-        elif not signed:  # edited, or not signed under our secret: read nothing, connect nowhere
+        elif not c.signed:  # edited, or not signed under our secret: read nothing, connect nowhere
             req.disowned = True
             self.stats.claims_refused += 1
             self._end(req, TicketClaimError(request_id=rid, nonce=ticket.nonce, status="edited (its MAC does not "
@@ -530,7 +552,7 @@ class Consumer(ProducerNotes):
                                                    detail=str(self._records[lost].error)), now, FailureCause.SOURCE_LOST)
                 elif self._greet(link):
                     try:
-                        plan = self._plan(req)
+                        plan = self._plan(req.ticket, req.local_block_ids, req.link)
                     except (PlanError, UnsupportedError) as exc:
                         self._end(req, exc, now, FailureCause.PLAN)
                     else:
@@ -572,12 +594,10 @@ class Consumer(ProducerNotes):
             error = h.error or EngineError("READ ended in error", operation="READ", agent=self.agent.name, peer=h.peer)
             self._end(req, error, now, FailureCause.NIXL)
 
-    def _plan(self, req: ReadRequest, local_ids=None) -> ReadPlan:
-        """The request's one plan (validated once, here); ``local_ids``: its local ids already as arrays."""
-        t = req.ticket
-        planner = req.link.resolve().planner
-        local = req.local_block_ids if local_ids is None else local_ids
-        return planner.plan(local, t.block_ids, t.num_tokens, self._pack.plan_mode, cost=self._pack.cost)
+    def _plan(self, t: wire.Ticket, local_ids, link: EngineLink) -> ReadPlan:
+        """A request's one plan (validated once, here), against ``link``'s planner."""
+        return link.resolve().planner.plan(local_ids, t.block_ids, t.num_tokens, self._pack.plan_mode,
+                                           cost=self._pack.cost)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)

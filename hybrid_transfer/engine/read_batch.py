@@ -43,6 +43,16 @@ class Read(NamedTuple):
     expected_state_position: int | None = None
 
 
+class Checked(NamedTuple):
+    """A request that passed its own checks (``Consumer._check``), not yet registered or planned."""
+
+    ticket: wire.Ticket
+    ids: list  # local block ids per group, int64 arrays
+    signed: bool
+    known: Any  # the EngineLink of the ticket's engine, or None
+    ready: bool  # ``known`` is ready and at the ticket's addresses: plan now
+
+
 @dataclass(frozen=True)
 class SourceBatch:
     """One READ of a step from one source rank: every request's direct rows, concatenated in request order."""
@@ -89,8 +99,13 @@ def batch_plans(plans: Sequence[ReadPlan]) -> BatchPlan:
 
 
 def plan_batch(planner: Any, items: Sequence[tuple], mode: Any, cost: Any = None) -> BatchPlan:
-    """Plan every (local ids, remote ids, num_tokens) of ``items`` against one planner, then batch them."""
-    return batch_plans([planner.plan(local, remote, n, mode, cost=cost) for local, remote, n in items])
+    """Plan every (local ids, remote ids, num_tokens) of ``items`` against one planner in one pass
+    (``Planner.plan_many``), then batch them; raises the first request's PlanError, if any."""
+    plans = planner.plan_many(items, mode, cost=cost)
+    for plan in plans:
+        if isinstance(plan, Exception):
+            raise plan
+    return batch_plans(plans)
 
 
 class Outbox:
@@ -114,6 +129,32 @@ class Outbox:
                 else:
                     failed += len(chunk)
         return sent, failed
+
+
+def plan_step(consumer: Any, checked: Sequence[tuple[int, Checked]]) -> dict[int, ReadPlan | Exception]:
+    """Every ready request of a step planned in one pass per producer engine (``Planner.plan_many``)."""
+    per_link: dict[int, list[tuple[int, Checked]]] = {}
+    for i, c in checked:
+        if c.ready:
+            per_link.setdefault(id(c.known), []).append((i, c))
+    out: dict[int, ReadPlan | Exception] = {}
+    pack = consumer._pack
+    for group in per_link.values():
+        planner = group[0][1].known.resolve().planner
+        items = [(c.ids, c.ticket.block_ids, c.ticket.num_tokens) for _, c in group]
+        try:
+            plans = planner.plan_many(items, pack.plan_mode, cost=pack.cost)
+        except Exception:  # noqa: BLE001 - not a PlanError: each request again alone, so it stays with its own
+            plans = [_plan_alone(consumer, c) for _, c in group]
+        out.update((i, plan) for (i, _), plan in zip(group, plans, strict=True))
+    return out
+
+
+def _plan_alone(consumer: Any, c: Checked) -> ReadPlan | Exception:
+    try:
+        return consumer._plan(c.ticket, c.ids, c.known)
+    except Exception as exc:  # noqa: BLE001 - it stays with its request
+        return exc
 
 
 def send_claims(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]]) -> None:

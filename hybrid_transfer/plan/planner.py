@@ -15,6 +15,7 @@ import numpy as np
 from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
 from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
+from hybrid_transfer.plan.batch_checks import check_ids, check_plans
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
 from hybrid_transfer.plan.pack import PackRecipe, pack_recipe, structure_recipe
@@ -215,7 +216,49 @@ class Planner:
         sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
         if num_tokens > 0:
             sources = self._build_sources(num_tokens, local_ids, remote_ids, flat_l, flat_r, mode, cost or self.cost)
-        plan = ReadPlan(
+        plan = self._read_plan(sources, num_tokens, mode)
+        if validate:
+            validate_plan(plan, self._local_regions, self._remote_regions)
+        return plan
+
+    def plan_many(self, items: Sequence[tuple], mode: PlanMode = PlanMode.COALESCED, *,
+                  cost: CostModel | None = None) -> list[ReadPlan | PlanError]:
+        """``plan`` for every (local ids, remote ids, num_tokens) of a step: a plan, or the PlanError ``plan``
+        raises for that request alone. The id and plan checks run once over the whole step
+        (plan/batch_checks.py); a request they flag is checked again alone for its exact error."""
+        mode = PlanMode(mode)
+        out: list[ReadPlan | PlanError | None] = [None] * len(items)
+        ok, lo, ro, fl, fr, counts = [], [], [], [], [], []
+        for i, (local, remote, n) in enumerate(items):
+            try:
+                if not isinstance(n, (int, np.integer)) or n < 0:
+                    raise PlanError(f"num_tokens={n!r} must be a non-negative integer", num_tokens=n)
+                li = block_id_arrays("local", local, len(self._kinds))
+                ri = block_id_arrays("remote", remote, len(self._kinds))
+            except PlanError as exc:
+                out[i] = exc
+                continue
+            ok.append(i), lo.append(li), ro.append(ri), fl.append(_flat(li)), fr.append(_flat(ri))
+            counts.append(int(n))
+        bad_l = check_ids("local", lo, fl, counts, self._kinds, self.local.block_size, self.local_desc.num_blocks,
+                          exact=False)
+        bad_r = check_ids("remote", ro, fr, counts, self._kinds, self.remote.block_size, self._remote_num_blocks,
+                          exact=True)
+        planned: list[tuple[int, ReadPlan]] = []
+        for j, i in enumerate(ok):
+            if bad_l[j] or bad_r[j]:
+                out[i] = bad_l[j] or bad_r[j]
+                continue
+            sources = (self._build_sources(counts[j], lo[j], ro[j], fl[j], fr[j], mode, cost or self.cost)
+                       if counts[j] > 0 else ())
+            planned.append((i, self._read_plan(sources, counts[j], mode)))
+        for (i, plan), error in zip(planned, check_plans([p for _, p in planned], self._local_regions,
+                                                          self._remote_regions), strict=True):
+            out[i] = error or plan
+        return out  # type: ignore[return-value]
+
+    def _read_plan(self, sources: Sequence[SourcePlan | PackSourcePlan], num_tokens: int, mode: PlanMode) -> ReadPlan:
+        return ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
             sources=tuple(sources),
@@ -225,9 +268,6 @@ class Planner:
             meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
                   "valid_bytes": self.expected_bytes(num_tokens), "kv_layout": self.local.kv_layout.value},
         )
-        if validate:
-            validate_plan(plan, self._local_regions, self._remote_regions)
-        return plan
 
     def _frame(self, token_end: int) -> SegmentFrame:
         frame = self._frames.get(token_end)

@@ -112,6 +112,13 @@ class RegionTable:
         self.starts = np.concatenate(([lowest], starts[order]))
         self.ends = np.concatenate(([lowest], starts[order] + lens[order]))
 
+    def contains(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """A bool per range: non-empty and inside one region (``check`` without the error)."""
+        if addr.shape[0] == 0:
+            return np.ones(0, dtype=bool)
+        idx = np.searchsorted(self.starts, addr, side="right") - 1
+        return (self.ends[idx] - addr >= length) & (length > 0)
+
     def check(self, side: str, addr: np.ndarray, length: np.ndarray, *, lengths_checked: bool = False) -> None:
         """Every [addr, addr+length) lies inside one region and is non-empty.
 

@@ -240,3 +240,29 @@ def test_a_refused_claim_fails_only_its_own_request_of_the_shared_read(cluster):
         second.close()
         first.close()
         producers.close()
+
+
+def test_a_step_planned_in_one_pass_fails_each_bad_request_alone_with_start_reads_own_error(cluster):
+    """One start_reads call plans its ready requests in one pass (Planner.plan_many, vectorized id checks):
+    a local id out of range, a block another request of the same step already owns, and a request id listed
+    twice each fail alone with the typed error start_read raises; the good requests move verified bytes."""
+    workers = cluster.workers
+    producers = start_producers(workers[:1], [RankSpec(TINY, 1, 0, NUM_BLOCKS)], EngineConfig())
+    consumers = start_consumers([workers[1]], [RankSpec(TINY, 1, 0, NUM_BLOCKS)], EngineConfig())
+    c_worker, ck = workers[1], consumers.keys[0]
+    try:
+        _connect(c_worker, ck, [producers])
+        items, layouts = _step(producers, c_worker, ck, ["g0", "bad_id", "busy", "g3"])
+        ticket, local, esp = items[1]
+        items[1] = (ticket, (local[0], (NUM_BLOCKS + 7,), *local[2:]), esp)  # beyond the local cache
+        ticket, local, esp = items[2]
+        items[2] = (ticket, (local[0], items[0][1][1], *local[2:]), esp)  # g0's first state block
+        items.append(items[0])  # g0 again, in the same step
+        errors = c_worker.call("call", start_reads, ck, items)
+        assert errors == [None, "BlockIdError", "BlockBusyError", None, "RequestStateError"]
+        results = c_worker.call("call", wait_results, ck, ["g0", "g3"], WAIT_S)
+        assert {rid: r["state"] for rid, r in results.items()} == {"g0": "done", "g3": "done"}
+        c_worker.call("check", ck, [layouts[0], layouts[3]])
+    finally:
+        consumers.close()
+        producers.close()
