@@ -1,8 +1,9 @@
 """Rank processes for the benchmarks that spawn producers (request_overhead.py, ucx_threads.py, post_to_done.py).
 
 Each producer rank runs in a spawned process behind a pipe: it sends its address, takes the engine's
-addresses when TP > 1, then answers ``(request_id, block_ids, tokens, nonce)`` with a ticket until it is
-sent ``None``. The scripts are run as ``python benchmarks/NAME.py``, so this folder is on ``sys.path``
+addresses when TP > 1, then answers ``(request_id, block_ids, tokens, nonce)`` with a ticket, and a ``Fill``
+(the verify pattern written into its cache, for a consumer to check) with "filled", until it is sent
+``None``. The scripts are run as ``python benchmarks/NAME.py``, so this folder is on ``sys.path``
 (and a spawned child gets the parent's ``sys.path``).
 """
 
@@ -10,8 +11,16 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from dataclasses import dataclass
 
 ANSWER_POLL_S = 1.0  # how often a wait for a rank's answer checks that the rank is still alive
+
+
+@dataclass(frozen=True)
+class Fill:
+    """A command for serve_holds: write hybrid_transfer.verify's pattern for each (RequestLayout, seed) pair."""
+
+    requests: tuple
 
 
 def geometry(preset: str, tp_size: int, tp_rank: int):
@@ -36,7 +45,8 @@ def serve_holds(conn, producer, tp_size: int, hold=None, wait_s: float = 0.0, sl
     """A producer rank's loop: address out, engine addresses in (TP > 1), one ticket per hold command.
 
     ``hold(producer, request_id, block_ids, tokens, nonce)`` makes the ticket (default: ``producer.hold``);
-    between commands the producer is polled, waiting ``wait_s`` on the pipe and sleeping ``sleep_s``.
+    a ``Fill`` writes the verify pattern (verify.fill_source) into this rank's cache. Between commands the
+    producer is polled, waiting ``wait_s`` on the pipe and sleeping ``sleep_s``.
     """
     conn.send(producer.address)
     if tp_size > 1:
@@ -46,6 +56,13 @@ def serve_holds(conn, producer, tp_size: int, hold=None, wait_s: float = 0.0, sl
             command = conn.recv()
             if command is None:
                 break
+            if isinstance(command, Fill):
+                from hybrid_transfer.verify import fill_source
+
+                for layout, seed in command.requests:
+                    fill_source(producer.cache, layout, seed)
+                conn.send("filled")
+                continue
             request_id, block_ids, tokens, nonce = command
             if hold is None:
                 conn.send(producer.hold(request_id, block_ids, tokens, nonce=nonce))
@@ -96,6 +113,15 @@ def hold_everywhere(producers, request_id: str, block_ids, tokens: int):
         conn.send((request_id, block_ids, tokens, ticket.nonce))
         answer(conn, proc)
     return ticket
+
+
+def fill_everywhere(producers, requests) -> None:
+    """Write the verify pattern of every (RequestLayout, seed) pair on every rank of one engine (each its shard)."""
+    command = Fill(tuple(requests))
+    for _, conn in producers:
+        conn.send(command)
+    for proc, conn in producers:
+        answer(conn, proc)
 
 
 def stop_producers(producers, timeout: float | None = None) -> None:

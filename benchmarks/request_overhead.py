@@ -20,10 +20,18 @@ With ``--batch N`` (issue 20, docs/lifecycle.md#batched-reads) each repetition i
 requests started by one ``Consumer.start_reads`` call, under both ``read_batching`` settings
 ("per_step": one READ and one Claims per producer agent; "per_request": each request alone). Its rows
 give the worker-thread wall time per request (the start_reads call plus every poll until all N are
-DONE, divided by N), NIXL's share of it and the Python rest, and the READs posted per step.
+DONE, divided by N), NIXL's share of it and the Python rest, the READs posted per step, the descriptors
+per request (mean over the step) and the poll() calls until all N were DONE. ``--engines E`` spreads
+each step over E producer engines (each its own engine_id, incarnation, rank processes and caches;
+request i from engine i % E) that the decode rank links to, still one start_reads call per step; the
+E engines' ranks poll E times less often when idle, so the fleet polls at one engine's rate. Every
+step's bytes are verified: the producers hold hybrid_transfer.verify's pattern, the decode rank's cache
+is poisoned before the step and compared after it (outside the timed calls). The caches' sizes are
+printed first; ``--mem-budget-gib`` (120) bounds them.
 
 Run: python benchmarks/request_overhead.py [--case p1d1|p2d8|small|all] [--device cpu|cuda] [--reps 20]
      python benchmarks/request_overhead.py --case p1d1 --batch 16 [--reps 10]
+     python benchmarks/request_overhead.py --case p1d1 --batch 16 --engines 8 [--reps 3] [--mem-budget-gib 120]
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import statistics
 import sys
 import time
 
-from _ranks import answer, hold_everywhere, serve_holds, spawn, start_producers, stop_producers
+from _ranks import answer, fill_everywhere, hold_everywhere, serve_holds, spawn, start_producers, stop_producers
 from _ranks import blocks_for as _blocks_for
 from _ranks import device as _device
 from _ranks import geometry as _geometry
@@ -47,12 +55,16 @@ CASES = {
 }
 
 
-def _producer(conn, preset, tp_size, rank, num_blocks, device) -> None:
+IDLE_SLEEP_S = 0.0001  # a producer rank's sleep between polls when one engine serves the consumer
+
+
+def _producer(conn, preset, tp_size, rank, num_blocks, device, engine_id="overhead", incarnation=1,
+              sleep_s=IDLE_SLEEP_S) -> None:
     from hybrid_transfer import HybridCache, Producer
 
     producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks, _device(device)),
-                        engine_id="overhead", incarnation=1)
-    serve_holds(conn, producer, tp_size, hold=_hold)
+                        engine_id=engine_id, incarnation=incarnation)
+    serve_holds(conn, producer, tp_size, hold=_hold, sleep_s=sleep_s)
 
 
 def _hold(producer, request_id, block_ids, tokens, nonce, wait_s: float = 30.0):
@@ -148,24 +160,40 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
     consumer.close()
 
 
+def _seed(frag_index: int, slot: int) -> int:
+    """The verify seed of a step's request ``slot`` under the ``frag_index``-th layout (distinct within a step)."""
+    return 1 + 1000 * frag_index + slot
+
+
 def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, batch, batching) -> None:
-    """One step of ``batch`` requests per repetition through start_reads; worker-thread time per request."""
+    """One step of ``batch`` requests per repetition through start_reads; worker-thread time per request.
+
+    Linked to every producer engine whose address it is sent. Every step's bytes are checked: the cache is
+    poisoned before the step and compared after it with the expected bytes (hybrid_transfer.verify), both
+    outside the timed calls.
+    """
+    import torch
+
     from hybrid_transfer import Consumer, EngineConfig, HybridCache
     from hybrid_transfer.bench.hooks import time_nixl_calls
     from hybrid_transfer.engine.read_batch import Read
-    from hybrid_transfer.verify import make_requests
+    from hybrid_transfer.verify import check_destination_many, expected_destination_many, make_requests, poison
 
     geometry = _geometry(preset, decode_tp, 0)
-    consumer = Consumer(HybridCache.allocate(geometry, num_blocks, _device(device)),
-                        EngineConfig(read_batching=batching))
+    cache = HybridCache.allocate(geometry, num_blocks, _device(device))
+    consumer = Consumer(cache, EngineConfig(read_batching=batching))
     timed = time_nixl_calls(consumer)  # NIXL's data-path calls on this thread, timed into timed.spent
-    consumer.connect(conn.recv())
+    for address in conn.recv():  # rank 0 of each producer engine
+        consumer.connect(address)
     rows = []
-    for frag in (0.0, 1.0):
+    for frag_index, frag in enumerate((0.0, 1.0)):
         locals_ = make_requests(geometry, [tokens] * batch, num_blocks, rng=7, fragmentation=frag)
+        seeded = [(local, _seed(frag_index, i)) for i, local in enumerate(locals_)]
+        expected = expected_destination_many(cache, seeded)
         samples = []
         for i in range(reps + 1):
             tickets = conn.recv()
+            poison(cache)
             timed.spent = 0.0
             posted0 = consumer.stats.reads_posted
             t0 = time.perf_counter()
@@ -174,54 +202,135 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
             start_s = time.perf_counter() - t0
             if any(errors):
                 raise RuntimeError(f"start_reads refused: {errors}")
-            done, worker_s = [], start_s
+            done, worker_s, polls = [], start_s, 0
             while len(done) < batch:
                 p0 = time.perf_counter()
                 done += consumer.poll()
                 worker_s += time.perf_counter() - p0
+                polls += 1
             bad = [r for r in done if not r.ok]
             if bad:
                 raise RuntimeError(f"read failed: {bad[0].error}")
+            if not all(torch.equal(a, b) for a, b in zip(cache.tensors, expected, strict=True)):
+                check_destination_many(cache, seeded)  # raises VerificationError naming the first bad byte
+                raise RuntimeError("the cache differs from the expected bytes, but check_destination_many passed")
             if i:  # the first step of each layout warms up
                 samples.append({"start_ms": 1e3 * start_s / batch, "worker_ms": 1e3 * worker_s / batch,
                                 "nixl_ms": 1e3 * timed.spent / batch,
                                 "python_ms": 1e3 * (worker_s - timed.spent) / batch,
-                                "reads_per_step": consumer.stats.reads_posted - posted0})
+                                "reads_per_step": consumer.stats.reads_posted - posted0, "polls": polls})
             conn.send("next")
         row = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
         rows.append({"fragmentation": frag, "batching": batching, "batch": batch,
-                     "descriptors": done[0].num_descriptors, **row})
+                     "descriptors": statistics.mean(r.num_descriptors for r in done), "verified_steps": reps + 1, **row})
+        del expected
     conn.send(rows)
     consumer.close()
 
 
-def run_batched(case: str, reps: int, device: str, batch: int, batching: str) -> list[dict]:
-    """As run(), one step of ``batch`` requests per repetition (distinct blocks on both sides)."""
+def _shares(batch: int, engines: int) -> list[int]:
+    """Requests per step from each engine: request i comes from engine i % engines."""
+    return [len(range(e, batch, engines)) for e in range(engines)]
+
+
+def _cache_bytes(preset: str, tp_size: int, num_blocks: int) -> int:
+    """Bytes of one engine's caches: every rank's shared tensors at ``num_blocks`` pages."""
+    return sum(num_blocks * g.page_bytes * g.num_tensors
+               for g in (_geometry(preset, tp_size, rank) for rank in range(tp_size)))
+
+
+def plan_memory(case: str, batch: int, engines: int, budget_gib: float) -> dict:
+    """Block counts for run_batched and the memory they take on the device (every cache, both sides).
+
+    Each engine's ranks get room for twice their share of a step's requests (the last step's holds may still
+    be pinned when the next step's are held: _hold waits for them), and the consumer a step's requests plus
+    the verify reference of the same size. Past ``budget_gib`` the producers get only what a step's holds
+    need under the held-block cap; past it still, ConfigError.
+    """
+    from hybrid_transfer import EngineConfig
+    from hybrid_transfer.errors import ConfigError
+
+    c = CASES[case]
+    preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
+    share = max(_shares(batch, engines))
+    need_p = share * _blocks_for(_geometry(preset, p_tp, 0), tokens)
+    d_geo = _geometry(preset, d_tp, 0)
+    d_blocks = batch * _blocks_for(d_geo, tokens) + 2
+    consumer_b = d_blocks * d_geo.page_bytes * d_geo.num_tensors  # the measured decode rank only
+    cap = EngineConfig().held_blocks_cap
+    tight = next(n for n in range(need_p, 2 * need_p + 3) if cap(n) >= need_p) + 2
+    budget = int(budget_gib * 2**30)
+    for p_blocks in (2 * need_p + 2, tight):
+        producers_b = engines * _cache_bytes(preset, p_tp, p_blocks)
+        total = producers_b + 2 * consumer_b
+        if total <= budget:
+            return {"p_blocks": p_blocks, "d_blocks": d_blocks, "producer_bytes": producers_b,
+                    "consumer_bytes": consumer_b, "total_bytes": total, "budget_bytes": budget}
+    raise ConfigError(f"{case}: {engines} engines x {batch} requests per step need {total / 2**30:.1f} GiB "
+                      f"(producers {producers_b / 2**30:.1f}, consumer and its verify reference "
+                      f"{2 * consumer_b / 2**30:.1f}) at the fewest blocks; the budget is {budget_gib} GiB",
+                      field="mem_budget_gib", value=budget_gib)
+
+
+def describe_memory(case: str, engines: int, mem: dict) -> str:
+    c = CASES[case]
+    gib = 2**30
+    return (f"memory {case}: {engines} engine(s) x {c['prefill_tp']} rank(s) x {mem['p_blocks']} blocks = "
+            f"{mem['producer_bytes'] / gib:.2f} GiB; decode rank {mem['d_blocks']} blocks = "
+            f"{mem['consumer_bytes'] / gib:.2f} GiB (+ as much for the verify reference); "
+            f"total {mem['total_bytes'] / gib:.2f} GiB of a {mem['budget_bytes'] / gib:.0f} GiB budget")
+
+
+def run_batched(case: str, reps: int, device: str, batch: int, batching: str, engines: int = 1,
+                mem: dict | None = None) -> list[dict]:
+    """As run(), one step of ``batch`` requests per repetition (distinct blocks on both sides).
+
+    ``engines`` producer engines (each its own engine_id and incarnation, its prefill_tp rank processes and
+    caches); request i of a step comes from engine i % engines, and the one start_reads call takes them all.
+    """
     from hybrid_transfer.verify import make_requests
 
     c = CASES[case]
     preset, p_tp, d_tp, tokens = c["preset"], c["prefill_tp"], c["decode_tp"], c["tokens"]
-    p_geo, d_geo = _geometry(preset, p_tp, 0), _geometry(preset, d_tp, 0)
-    # The producer may still hold the last step's requests (same blocks) when the next is held (_hold waits).
-    p_blocks, d_blocks = 2 * batch * _blocks_for(p_geo, tokens) + 2, batch * _blocks_for(d_geo, tokens) + 2
-    producers, addresses = start_producers(_producer, p_tp, lambda rank: (preset, p_tp, rank, p_blocks, device))
+    p_geo = _geometry(preset, p_tp, 0)
+    mem = mem or plan_memory(case, batch, engines, budget_gib=float("inf"))
+    p_blocks, d_blocks = mem["p_blocks"], mem["d_blocks"]
+    fleet = []  # per engine: its [(process, conn)] per rank
+    addresses = []  # rank 0 of each engine
+    # The fleet polls at one engine's total rate: E idle ranks polling every 0.1 ms would take the 2-core CPU
+    # host's cores from the measured rank (a READ's DONE needs nothing from the producers).
+    sleep_s = IDLE_SLEEP_S * engines
+    for e in range(engines):
+        engine_id = "overhead" if engines == 1 else f"overhead-{e}"
+        ranks, addrs = start_producers(_producer, p_tp,
+                                       lambda rank, eid=engine_id, inc=e + 1: (preset, p_tp, rank, p_blocks, device,
+                                                                               eid, inc, sleep_s))
+        fleet.append(ranks)
+        addresses.append(addrs[0])
     consumer, c_parent = spawn(_consumer_batch, (preset, d_tp, d_blocks, tokens, reps, device, batch, batching))
-    c_parent.send(addresses[0])
+    c_parent.send(addresses)
 
+    shares = _shares(batch, engines)
     n = 0
-    for frag in (0.0, 1.0):
-        remotes = make_requests(p_geo, [tokens] * batch, p_blocks, rng=3, fragmentation=frag)
+    for frag_index, frag in enumerate((0.0, 1.0)):
+        remotes = [make_requests(p_geo, [tokens] * shares[e], p_blocks, rng=3 + e, fragmentation=frag)
+                   for e in range(engines)]
+        for e, ranks in enumerate(fleet):
+            fill_everywhere(ranks, [(remote, _seed(frag_index, e + k * engines))
+                                    for k, remote in enumerate(remotes[e])])
         for _ in range(reps + 1):
             tickets = []
-            for remote in remotes:
+            for i in range(batch):
                 n += 1
-                tickets.append(hold_everywhere(producers, f"req-{n}", remote.block_ids, tokens))
+                e = i % engines
+                tickets.append(hold_everywhere(fleet[e], f"req-{n}", remotes[e][i // engines].block_ids, tokens))
             c_parent.send(tickets)
             answer(c_parent, consumer)
     rows = answer(c_parent, consumer)
     consumer.join()
-    stop_producers(producers)
-    return [{"case": case, "device": device, "tokens": tokens, **r} for r in rows]
+    for ranks in fleet:
+        stop_producers(ranks)
+    return [{"case": case, "device": device, "tokens": tokens, "engines": engines, **r} for r in rows]
 
 
 def run(case: str, reps: int, device: str, profile: bool = False) -> list[dict]:
@@ -257,23 +366,37 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--batch", type=int, default=1,
                         help="requests per step through start_reads, under both read_batching settings (1: start_read)")
+    parser.add_argument("--engines", type=int, default=1,
+                        help="with --batch: producer engines, request i of a step from engine i %% ENGINES (default 1)")
+    parser.add_argument("--mem-budget-gib", type=float, default=120.0,
+                        help="with --batch: every cache of the run (producers, decode rank, its verify reference) "
+                             "must fit in this; past it the producers get fewer spare blocks (default 120)")
     parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (by tottime, then cumulative) on stderr")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
+    if not 1 <= args.engines <= max(args.batch, 1) or (args.engines > 1 and args.batch == 1):
+        parser.error("--engines must be between 1 and --batch, and needs --batch > 1")
     if args.device == "cuda":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
     if args.batch > 1:
         cases = CASES if args.case == "all" else [args.case]
-        rows = [r for case in cases for batching in ("per_step", "per_request")
-                for r in run_batched(case, args.reps, args.device, args.batch, batching)]
+        rows = []
+        for case in cases:
+            mem = plan_memory(case, args.batch, args.engines, args.mem_budget_gib)
+            print(describe_memory(case, args.engines, mem), file=sys.stderr if args.json else sys.stdout, flush=True)
+            rows += [r for batching in ("per_step", "per_request")
+                     for r in run_batched(case, args.reps, args.device, args.batch, batching, args.engines, mem)]
         if args.json:
             print(json.dumps(rows, indent=1))
             return
-        print(f"{'case':>5} {'dev':>4} {'batching':>11} {'batch':>5} {'frag':>4} {'descs':>5} {'READs/step':>10} "
-              f"{'worker ms/req':>13} {'nixl':>6} {'python':>6} {'start_reads ms/req':>18}")
+        print(f"{'case':>5} {'dev':>4} {'batching':>11} {'eng':>3} {'batch':>5} {'frag':>4} {'descs':>5} {'READs/step':>10} "
+              f"{'worker ms/req':>13} {'nixl':>6} {'python':>6} {'start_reads ms/req':>18} {'polls':>5}")
         for r in rows:
-            print(f"{r['case']:>5} {r['device']:>4} {r['batching']:>11} {r['batch']:>5} {r['fragmentation']:>4.1f} "
-                  f"{r['descriptors']:>5} {r['reads_per_step']:>10.0f} {r['worker_ms']:>13.3f} {r['nixl_ms']:>6.3f} "
-                  f"{r['python_ms']:>6.3f} {r['start_ms']:>18.3f}")
+            print(f"{r['case']:>5} {r['device']:>4} {r['batching']:>11} {r['engines']:>3} {r['batch']:>5} "
+                  f"{r['fragmentation']:>4.1f} {r['descriptors']:>5.1f} {r['reads_per_step']:>10.0f} {r['worker_ms']:>13.3f} "
+                  f"{r['nixl_ms']:>6.3f} {r['python_ms']:>6.3f} {r['start_ms']:>18.3f} {r['polls']:>5.0f}")
+        print(f"bytes verified: every step of every row (medians of --reps {args.reps} steps after one warm-up)")
         return
     rows = [r for case in (CASES if args.case == "all" else [args.case]) for r in run(case, args.reps, args.device, args.profile)]
     if args.json:
