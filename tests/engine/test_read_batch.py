@@ -266,3 +266,25 @@ def test_a_step_planned_in_one_pass_fails_each_bad_request_alone_with_start_read
     finally:
         consumers.close()
         producers.close()
+
+
+def test_a_batched_step_posted_by_the_posting_thread_moves_the_same_verified_bytes(cluster):
+    """per_step with ``post_thread`` on: the step's one READ is handed to the posting thread (engine/poster.py)
+    and its requests still finish DONE with every byte verified, one READ posted for the step."""
+    workers = cluster.workers
+    names = [f"t{i}" for i in range(4)]
+    producers = start_producers(workers[:1], [RankSpec(TINY, 1, 0, NUM_BLOCKS)], EngineConfig())
+    consumers = start_consumers([workers[1]], [RankSpec(TINY, 1, 0, NUM_BLOCKS)],
+                                EngineConfig(read_batching="per_step", post_thread=True))
+    c_worker, ck = workers[1], consumers.keys[0]
+    try:
+        _connect(c_worker, ck, [producers])
+        items, layouts = _step(producers, c_worker, ck, names)
+        assert c_worker.call("call", start_reads, ck, items) == [None] * 4
+        results = c_worker.call("call", wait_results, ck, names, WAIT_S)
+        assert {rid: r["state"] for rid, r in results.items()} == dict.fromkeys(names, "done")
+        c_worker.call("check", ck, layouts)
+        assert c_worker.call("call", read_stats, ck)["reads_posted"] == 1
+    finally:
+        consumers.close()
+        producers.close()
