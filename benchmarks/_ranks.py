@@ -98,10 +98,14 @@ def start_producers(target, tp_size: int, args, daemon: bool = True):
 
 def answer(conn, proc):
     """The next message on ``conn``; a rank that died raises instead of leaving this process waiting forever."""
-    while not conn.poll(ANSWER_POLL_S):
-        if not proc.is_alive():
-            raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
-    return conn.recv()
+    try:
+        while not conn.poll(ANSWER_POLL_S):
+            if not proc.is_alive():
+                raise RuntimeError(f"a rank process exited with code {proc.exitcode}")
+        return conn.recv()
+    except EOFError:  # the rank closed its end: it is exiting (its traceback is on stderr)
+        proc.join(timeout=ANSWER_POLL_S)
+        raise RuntimeError(f"a rank process closed its pipe and exited with code {proc.exitcode}") from None
 
 
 def hold_everywhere(producers, request_id: str, block_ids, tokens: int):
