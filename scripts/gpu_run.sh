@@ -3,7 +3,7 @@
 #   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split,
 #                                      overhead, threads, direct (issue 13's rows), long (131,072 tokens and the
 #                                      token sweep), two-gpu (needs two GPUs: prefill on 0, decode on 1),
-#                                      issue20 (issue 20's one-H200 goal rows, at most 12 minutes)
+#                                      issue20 (issue 20's one-H200 goal rows: issue20a then issue20b, one device call each)
 #   DRY_RUN=1 bash scripts/gpu_run.sh STAGE...   prints every command a stage would run and runs none
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (built outside
 # this repository, plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
@@ -99,34 +99,48 @@ for stage in "$@"; do
                 --mode "$p2d8_mode" --prefill-gpus 0 --decode-gpus 1
             SWEEP="--fragmentation 0" bench "two_397b_p1d1_frag0_$p1d1_mode" $BIG --prefill-tp 1 --decode-tp 1 \
                 --mode "$p1d1_mode" --prefill-gpus 0 --decode-gpus 1 ;;
-        issue20)  # issue 20's goal rows on one H200 (qwen3.5-397b-a17b, 8,192 tokens, 3 rounds, --verify)
-            # Rows: worker-thread time per request (hook / nixl / py columns) with 16 requests per step and
-            # frag 0 / frag 1 against the ceiling (one sweep); post->DONE p50 at concurrency 1 beside the ceiling's;
-            # --allocation vllm-pool; P2 -> D8 frag 1 with pack and auto (coalesced runs beside both); 131,072
-            # tokens P2 -> D8 auto. Not expressible: "16 requests per step spread over 8 producer engines": a
-            # bench run has ONE producer engine (its P TP ranks), so that row needs the bench to hold tickets of
-            # several engines (benchmarks/request_overhead.py has no such case either); it is not run here.
-            # Each command gets what is left of I20_BUDGET_S (720 s); a row that would start past it is skipped
-            # and named, so the stage ends within 12 minutes.
-            i20_end=$((SECONDS + ${I20_BUDGET_S:-720}))
+        issue20|issue20a|issue20b)  # issue 20's goal rows on one H200 (qwen3.5-397b-a17b, 8,192 tokens, 3 rounds, --verify)
+            # issue20a: P1 -> D1 with 16 requests per step (auto, auto with the posting thread, pack; frag 0 and 1),
+            # post->DONE at concurrency 1. issue20b: --allocation vllm-pool, P2 -> D8 frag 1 with pack and auto,
+            # 131,072 tokens P2 -> D8 auto, and the worker thread per request with 16 requests per step spread
+            # over 8 producer engines (benchmarks/request_overhead.py --engines 8; a bench run has one producer
+            # engine). issue20 runs both. Each command gets what is left of I20_BUDGET_S (default 560 s per
+            # sub-stage, one device call each); a row that would start past it is skipped and named.
             STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --concurrency 16 --per-step 16 --rounds ${ROUNDS:-3}"
-            i20() {  # name, args...: one goal row within the stage's budget
+            i20() {  # name, args...: one goal row within the sub-stage's budget
                 local left=$((i20_end - SECONDS))
-                if [ "$left" -lt 30 ]; then echo "=== skipped $1: the stage's ${I20_BUDGET_S:-720} s are spent"; return; fi
+                if [ "$left" -lt 30 ]; then echo "=== skipped $1: the stage's ${I20_BUDGET_S:-560} s are spent"; return; fi
                 HT_TIMEOUT=$left bench "$@"
             }
-            SWEEP="--sweep fragmentation --sweep-values 0,1" i20 issue20_p1d1_step16_auto $STEP16 --requests 32 \
-                --prefill-tp 1 --decode-tp 1 --mode auto
-            SWEEP="--fragmentation 1" i20 issue20_p1d1_conc1_auto --preset qwen3.5-397b-a17b --tokens 8192 \
-                --concurrency 1 --per-step 1 --requests 16 --rounds "${ROUNDS:-3}" --prefill-tp 1 --decode-tp 1 --mode auto
-            SWEEP="" i20 issue20_p1d1_step16_vllm_pool $STEP16 --requests 32 --prefill-tp 1 --decode-tp 1 --mode auto \
-                --allocation vllm-pool
-            for mode in pack auto; do
-                SWEEP="--fragmentation 1" i20 "issue20_p2d8_step16_$mode" $STEP16 --requests 16 --prefill-tp 2 \
-                    --decode-tp 8 --mode "$mode"
-            done
-            SWEEP="--fragmentation 1" i20 issue20_long_p2d8_131k_auto $LONG --tokens 131072 --prefill-tp 2 \
-                --decode-tp 8 --mode auto ;;
+            if [ "$stage" != issue20b ]; then
+                i20_end=$((SECONDS + ${I20_BUDGET_S:-560}))
+                for pt in off on; do
+                    SWEEP="--sweep fragmentation --sweep-values 0,1" i20 "issue20_p1d1_step16_auto_post_$pt" $STEP16 \
+                        --requests 32 --prefill-tp 1 --decode-tp 1 --mode auto --post-thread "$pt"
+                done
+                SWEEP="--sweep fragmentation --sweep-values 0,1" i20 issue20_p1d1_step16_pack $STEP16 --requests 32 \
+                    --prefill-tp 1 --decode-tp 1 --mode pack
+                SWEEP="--fragmentation 1" i20 issue20_p1d1_conc1_auto --preset qwen3.5-397b-a17b --tokens 8192 \
+                    --concurrency 1 --per-step 1 --requests 16 --rounds "${ROUNDS:-3}" --prefill-tp 1 --decode-tp 1 --mode auto
+            fi
+            if [ "$stage" != issue20a ]; then
+                i20_end=$((SECONDS + ${I20_BUDGET_S:-560}))
+                SWEEP="" i20 issue20_p1d1_step16_vllm_pool $STEP16 --requests 32 --prefill-tp 1 --decode-tp 1 --mode auto \
+                    --allocation vllm-pool
+                for mode in pack auto; do
+                    SWEEP="--fragmentation 1" i20 "issue20_p2d8_step16_$mode" $STEP16 --requests 16 --prefill-tp 2 \
+                        --decode-tp 8 --mode "$mode"
+                done
+                SWEEP="--fragmentation 1" i20 issue20_long_p2d8_131k_auto $LONG --tokens 131072 --prefill-tp 2 \
+                    --decode-tp 8 --mode auto
+                for engines in 1 8; do
+                    say "python3 benchmarks/request_overhead.py --device cuda --case p1d1 --batch 16 --reps 3 --engines $engines"
+                    [ -n "${DRY_RUN:-}" ] && continue
+                    left=$((i20_end - SECONDS)); [ "$left" -lt 30 ] && { echo "=== skipped engines $engines"; continue; }
+                    timeout "$left" python3 benchmarks/request_overhead.py --device cuda --case p1d1 --batch 16 --reps 3 \
+                        --engines "$engines" 2>&1 | tail -n 6
+                done
+            fi ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done
