@@ -395,10 +395,11 @@ class NixlAgent:
         if isinstance(xfer, SharedRead):
             xfer = xfer.base
         if xfer.state is XferState.PROC and xfer.posted and (self._scope < 0 or xfer.checked_in != self._scope):
-            xfer.checked_in = self._scope
             try:
-                with self._wrap("check transfer", xfer.peer):
-                    xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
+                with self._wrap("check transfer", xfer.peer, wait=False) as called:
+                    if called:  # else the posting thread is mid-post: asked again at the next check
+                        xfer.checked_in = self._scope
+                        xfer.state = XferState.parse(self._agent.check_xfer_state(xfer.handle))
             except EngineError as exc:
                 xfer.state, xfer.error = XferState.ERR, exc
         return xfer.state
@@ -434,7 +435,9 @@ class NixlAgent:
             xfer.cancelled = True
             return False
         if xfer.handle is not None:
-            with self._guard:
+            if self._poster is not None and not self._guard.acquire(blocking=False):
+                return False  # the posting thread is mid-post: freed at a later call, never waited for
+            try:
                 try:
                     self._agent.release_xfer_handle(xfer.handle)
                 except self._errors as exc:
@@ -446,6 +449,9 @@ class NixlAgent:
                     except self._errors as exc:
                         log.warning("agent %s: releasing a descriptor list on %s failed: %s", self.name, xfer.peer,
                                     exc)
+            finally:
+                if self._poster is not None:
+                    self._guard.release()
         self._live.discard(xfer)
         xfer.state = XferState.RELEASED
         xfer._dlists = ()
@@ -463,7 +469,9 @@ class NixlAgent:
         that call is recorded apart (``fetch_time``, in the owner's ``metrics()``) and the count in
         ``num_fetched``, so a flood shows as NIXL's time, not as the engine's (docs/metrics.md).
         """
-        with self._wrap("get notifications"):
+        with self._wrap("get notifications", wait=False) as called:
+            if not called:  # the posting thread is mid-post: NIXL keeps them for the next poll
+                return {}
             start = time.perf_counter()
             notifs = self._agent.get_new_notifs()
             self.fetch_time.observe(time.perf_counter() - start)
@@ -505,14 +513,21 @@ class NixlAgent:
         self._closed = True
 
     @contextmanager
-    def _wrap(self, operation: str, peer: str | None = None):
+    def _wrap(self, operation: str, peer: str | None = None, *, wait: bool = True):
+        """One NIXL call under the agent's lock, its errors typed. ``wait=False``: when the posting thread holds
+        the lock (mid-post), yield False at once and call nothing: a poll never waits for a post."""
         if self._closed:
             raise EngineError("the agent is closed", operation=operation, agent=self.name, peer=peer)
+        if self._poster is not None and not self._guard.acquire(blocking=wait):
+            yield False
+            return
         try:
-            with self._guard:
-                yield
+            yield True
         except EngineError:
             raise
         except self._errors as exc:
             cls = PeerDisconnectedError if type(exc).__name__ == "nixlRemoteDisconnectError" else EngineError
             raise cls(f"{type(exc).__name__}: {exc}", operation=operation, agent=self.name, peer=peer) from exc
+        finally:
+            if self._poster is not None:
+                self._guard.release()

@@ -144,3 +144,39 @@ def test_a_failed_thread_set_up_fails_every_read(tmp_path):
         assert "no device here" in str(xfer.error)
     finally:
         agent.close()
+
+
+def test_a_poll_never_waits_for_the_posting_thread_and_loses_nothing(loopback):
+    """While the posting thread holds the agent's lock (mid-post), a poll's NIXL calls return at once:
+    ``get_notifs`` gives nothing yet and ``release`` says "not yet"; once the lock is free the buffered
+    notification arrives and the READ is freed. A poll then never waits for a step's long post."""
+    agent, buf = loopback
+    local, remote = _descs(buf, 0, 8)
+    xfer = agent.post_read(agent.name, local, remote)
+    assert _wait(agent, xfer) is XferState.DONE
+    agent.send_notif(agent.name, b"kept")
+    held, let_go = threading.Event(), threading.Event()
+
+    def hold_the_lock():  # stands in for the posting thread inside a long create + post
+        with agent._guard:
+            held.set()
+            let_go.wait(30)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    assert held.wait(10)
+    got = {}
+    poll = threading.Thread(target=lambda: got.update(notifs=agent.get_notifs(), released=agent.release(xfer)))
+    poll.start()
+    poll.join(10)
+    alive = poll.is_alive()
+    let_go.set()
+    holder.join(10)
+    poll.join(10)
+    assert not alive, "a poll waited for the lock the posting thread holds"
+    assert got == {"notifs": {}, "released": False} and not xfer.is_released
+    deadline, notifs = time.monotonic() + 20, {}
+    while not notifs and time.monotonic() < deadline:
+        notifs = agent.get_notifs()
+    assert notifs == {agent.name: [b"kept"]}
+    assert agent.release(xfer) and agent.num_live_handles == 0

@@ -23,7 +23,8 @@ from hybrid_transfer.errors import ConfigError
 VLLM_NIXL = "vllm-nixl"  # vLLM 0.33's NixlConnector (pull), its defaults (NIXL's progress thread on)
 HYBRID = "hybrid"  # ours, our engine's defaults (no NIXL progress thread: poll() progresses UCX)
 HYBRID_PROGRESS = "hybrid-progress"  # ours with NIXL's progress thread, as vLLM's agent runs
-CONNECTORS = (VLLM_NIXL, HYBRID, HYBRID_PROGRESS)
+HYBRID_POST = "hybrid-post"  # ours with the posting thread (EngineConfig.post_thread): READs posted off the worker thread
+CONNECTORS = (VLLM_NIXL, HYBRID, HYBRID_PROGRESS, HYBRID_POST)
 
 # Sizes vLLM's model config wants but the cache never sees; small, since no layer is built.
 _UNUSED_SIZES = {
@@ -109,10 +110,12 @@ def connector_transfer_config(connector: str, kv_role: str, shape: EngineShape):
     if connector == VLLM_NIXL:
         return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, engine_id=engine_id,
                                 kv_connector_extra_config={"num_threads": shape.num_threads})
-    if connector in (HYBRID, HYBRID_PROGRESS):
+    if connector in (HYBRID, HYBRID_PROGRESS, HYBRID_POST):
         extra = {"num_backend_threads": shape.num_threads}
         if connector == HYBRID_PROGRESS:
             extra["progress"] = "on"
+        if connector == HYBRID_POST:
+            extra["post_thread"] = True
         return KVTransferConfig(kv_connector="HybridNixlConnector",
                                 kv_connector_module_path="hybrid_transfer.integrations.vllm", kv_role=kv_role,
                                 engine_id=engine_id, kv_connector_extra_config=extra)
