@@ -119,17 +119,29 @@ for n in sorted(k for k in keep if "/plugins/" in k or "/ucx/" in k):
     print("  kept", n)
 EOF
 
-# 4. vLLM's Python sources. A trace imports, in the local vLLM environment, every module the connector path and
-#    integrations/vllm_peer import (the CUDA platform's too, with vLLM's compiled modules stubbed there only for the
-#    trace); every folder holding a traced module is kept whole (its other modules are imported lazily), except
-#    the large families of models, kernels and server code, where only the traced files are kept.
-"$VPY" - "$SITE" "$tmp" <<'EOF'
-import importlib, importlib.abc, importlib.machinery, json, os, sys, types
+# 4. vLLM's Python sources. A trace records every vLLM module two runs import in the local vLLM environment: a
+#    small side-by-side (benchmarks/vllm_nixl_side_by_side.py, both connectors, both processes: what runs, lazy
+#    imports included) and an import of the CUDA platform's modules (vLLM's compiled modules stubbed there, for
+#    the trace only). Every .py file is kept except in the large families of models, kernels and server code,
+#    where only the traced files (and, outside the model and third-party folders, their folders) are kept.
+trace="$tmp/trace"
+mkdir -p "$trace/site"
+cat > "$trace/site/sitecustomize.py" <<'EOF'
+import atexit, os, sys
+def _dump():  # every module this process imported, for scripts/gpu_carry.sh's selection
+    with open(os.path.join(os.environ["GPU_CARRY_TRACE"], f"{os.getpid()}.txt"), "w") as f:
+        f.write("\n".join(m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)) + "\n")
+atexit.register(_dump)
+EOF
+GPU_CARRY_TRACE="$trace" PYTHONPATH="$trace/site:$PWD" VLLM_TARGET_DEVICE=cpu VLLM_SSM_CONV_STATE_LAYOUT=DS \
+    HF_HUB_OFFLINE=1 timeout 600 "$VPY" benchmarks/vllm_nixl_side_by_side.py --tokens 64 --concurrency 1 --waves 1 \
+    --warmup 1 --rounds 1 --connectors vllm-nixl,hybrid >"$trace/side_by_side.log" 2>&1 \
+    || { tail -n 20 "$trace/side_by_side.log" >&2; echo "gpu_carry: the trace's side-by-side failed" >&2; exit 1; }
+GPU_CARRY_TRACE="$trace" "$VPY" - "$SITE" "$tmp" <<'EOF'
+import glob, importlib, importlib.abc, importlib.machinery, json, os, sys, types
 
 site, out = sys.argv[1], sys.argv[2]
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
 vllm_root = os.path.join(site, "vllm")
 compiled = sorted("vllm." + os.path.relpath(os.path.join(d, f), vllm_root).split(".")[0].replace(os.sep, ".")
                   for d, _, fs in os.walk(vllm_root) for f in fs if f.endswith(".so"))
@@ -149,52 +161,44 @@ class TraceStubs(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 sys.meta_path.insert(0, TraceStubs())
-modules = """vllm vllm.envs vllm.config vllm.platforms vllm.platforms.interface vllm.platforms.cpu vllm.platforms.cuda
-vllm.distributed.kv_transfer.kv_connector.factory vllm.distributed.kv_transfer.kv_connector.utils
-vllm.distributed.kv_transfer.kv_connector.v1.base vllm.distributed.kv_transfer.kv_connector.v1.nixl
-vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker
-vllm.v1.core.kv_cache_utils vllm.v1.core.kv_cache_planning vllm.v1.core.sched.scheduler vllm.v1.kv_cache_interface
-vllm.v1.structured_output vllm.v1.outputs vllm.v1.request vllm.v1.worker.utils
-vllm.v1.worker.kv_connector_model_runner_mixin vllm.v1.attention.backend vllm.v1.attention.backends.registry
-vllm.v1.attention.backends.cpu_attn vllm.v1.attention.backends.flash_attn vllm.v1.attention.backends.gdn_attn
-vllm.forward_context vllm.sampling_params vllm.model_executor.models.registry vllm.model_executor.models.qwen3_next
-vllm.third_party.pynvml hybrid_transfer.integrations.vllm hybrid_transfer.integrations.vllm_peer.engine""".split()
+modules = """vllm vllm.platforms.cuda vllm.v1.attention.backends.flash_attn vllm.v1.attention.backends.gdn_attn
+vllm.distributed.kv_transfer.kv_connector.v1.nixl vllm.distributed.nixl_utils vllm.third_party.pynvml""".split()
 failed = {}
 for name in modules:
     try:
         importlib.import_module(name)
     except Exception as exc:  # a module the CPU host cannot import stays out of the trace, and is listed
         failed[name] = f"{type(exc).__name__}: {exc}"
-traced = {os.path.relpath(m.__file__, site) for m in list(sys.modules.values())
-          if getattr(m, "__file__", None) and m.__file__.startswith(vllm_root + os.sep) and m.__file__.endswith(".py")}
+files = {m.__file__ for m in list(sys.modules.values()) if getattr(m, "__file__", None)}
+for path in glob.glob(os.path.join(os.environ["GPU_CARRY_TRACE"], "*.txt")):
+    files |= set(open(path).read().split())
+traced = {os.path.relpath(f, site) for f in files if f.startswith(vllm_root + os.sep) and f.endswith(".py")}
 
 ONLY_TRACED = ("vllm/model_executor/", "vllm/models/", "vllm/third_party/", "vllm/vllm_flash_attn/",
                "vllm/entrypoints/", "vllm/tool_parsers/", "vllm/reasoning/", "vllm/parser/", "vllm/benchmarks/",
                "vllm/lora/", "vllm/renderers/", "vllm/multimodal/")
+NO_FOLDERS = ("vllm/model_executor/models/", "vllm/models/", "vllm/third_party/")
 traced_dirs = {os.path.dirname(p) for p in traced}
 every_py = sorted(os.path.relpath(os.path.join(d, f), site) for d, _, fs in os.walk(vllm_root)
                   if "__pycache__" not in d for f in fs if f.endswith(".py"))
-keep = []
-for p in every_py:
-    d = os.path.dirname(p)
-    whole_dir = d in traced_dirs and not (d + "/").startswith(ONLY_TRACED)
-    if p in traced or whole_dir or p == "vllm/third_party/pynvml.py":
-        keep.append(p)
+keep = [p for p in every_py if not p.startswith(ONLY_TRACED) or p in traced
+        or (os.path.dirname(p) in traced_dirs and not p.startswith(NO_FOLDERS)) or p == "vllm/third_party/pynvml.py"]
 dist_info = next(d for d in os.listdir(site) if d.startswith("vllm-") and d.endswith(".dist-info"))
 meta = [f"{dist_info}/{f}" for f in ("METADATA", "entry_points.txt", "top_level.txt", "WHEEL")
         if os.path.exists(os.path.join(site, dist_info, f))]
 manifest = {"vllm_version": importlib.import_module("vllm").__version__, "kept": keep,
-            "pruned": [p for p in every_py if p not in set(keep)], "compiled": compiled, "trace_failed": failed}
+            "pruned": [p for p in every_py if p not in set(keep)], "compiled": compiled, "traced": sorted(traced),
+            "trace_failed": failed}
 with open(os.path.join(out, "MANIFEST.json"), "w") as f:
     json.dump(manifest, f, indent=1)
 with open(os.path.join(out, "vllm_files.txt"), "w") as f:
     f.write("\n".join(keep + meta) + "\n")
 size = sum(os.path.getsize(os.path.join(site, p)) for p in keep)
-print(f"vllm sources: {len(keep)} of {len(every_py)} .py files ({size / 2**20:.1f} MiB), {len(compiled)} compiled "
-      f"modules left out; trace failures: {failed or 'none'}")
+print(f"vllm sources: {len(keep)} of {len(every_py)} .py files ({size / 2**20:.1f} MiB; {len(traced)} traced), "
+      f"{len(compiled)} compiled modules left out; trace failures: {failed or 'none'}")
 EOF
 tar -czf "$tmp/vllm_src.tar.gz" -C "$SITE" -T "$tmp/vllm_files.txt"
-rm "$tmp/vllm_files.txt"
+rm -r "$tmp/vllm_files.txt" "$trace"
 
 rm -rf "$CARRY"
 mv "$tmp" "$CARRY"
