@@ -4,8 +4,9 @@ The H200 image has torch 2.11 and none of vLLM's compiled modules; vLLM 0.33.0 p
 platform imports ``vllm._C_stable_libtorch`` at import time. With vLLM's Python sources on ``sys.path``
 (``--vllm-src``, unpacked from ``.gpu_carry/vllm_src.tar.gz`` by scripts/gpu_vllm_probe.sh), this script:
 
-  1. imports ``vllm``, resolves vLLM's platform and imports the NixlConnector's package
-     (``vllm.distributed.kv_transfer.kv_connector.v1.nixl``). Each module that fails to import is replaced in
+  1. imports ``vllm``, resolves vLLM's platform, imports the NixlConnector's package
+     (``vllm.distributed.kv_transfer.kv_connector.v1.nixl``) and the model class integrations/vllm_peer's
+     config names (Qwen3-Next's). Each module that fails to import is replaced in
      ``sys.modules`` by a stub, one at a time, and the import is retried; each stub is logged with its kind:
        compiled   one of vLLM's compiled modules (not carried)
        pruned     one of vLLM's .py modules that scripts/gpu_carry.sh left out (a gap in the carry)
@@ -20,7 +21,11 @@ platform imports ``vllm._C_stable_libtorch`` at import time. With vLLM's Python 
   3. runs the side-by-side of benchmarks/vllm_nixl_side_by_side.py on the CUDA device if
      ``hybrid_transfer.integrations.vllm_peer`` takes a device; if it is CPU-only, prints the lines that fix
      it to the CPU. ``--cpu-side-by-side`` then runs it on this host's CPU memory (a child process with
-     ``VLLM_TARGET_DEVICE=cpu``; the stubs found in step 1 are installed there and in its decode process).
+     ``VLLM_TARGET_DEVICE=cpu``).
+
+Every Python subprocess started after step 1 (that child, its decode process, vLLM's model inspection, which
+vLLM runs in a subprocess of its own) gets the stubs found so far and ``--hide`` through a generated
+``sitecustomize.py`` that leads its PYTHONPATH (and then runs the sitecustomize it shadows, if any).
 
 Every step's outcome, every stub and every failure go to stdout and, with ``--json``, to a file.
 
@@ -64,10 +69,10 @@ ARCHITECTURE = "Qwen3NextForCausalLM"  # what integrations/vllm_peer/model.py's 
 # PYTHONPATH led by a folder whose sitecustomize.py installs the stubs found so far (STUBS_ENV) and --hide.
 STUBS_ENV = "HT_PROBE_STUBS"  # JSON list of the stubs
 HIDE_ENV = "HT_PROBE_HIDE"  # comma-separated hidden packages
-SITECUSTOMIZE = """\
-# Written by benchmarks/vllm_gpu_probe.py: this process gets the probe's stubs, then the sitecustomize it shadows.
+SITE_ENV = "HT_PROBE_SITE"  # the folder of that sitecustomize.py (one per probe run, reused by its subprocesses)
+MARKER = "# Written by benchmarks/vllm_gpu_probe.py"
+SITECUSTOMIZE = MARKER + """: this process gets the probe's stubs, then the sitecustomize it shadows.
 import importlib.util, os, sys
-_here = os.path.dirname(os.path.abspath(__file__))
 if os.environ.get({stubs!r}) or os.environ.get({hide!r}):
     _spec = importlib.util.spec_from_file_location("vllm_gpu_probe", {probe!r})
     _probe = importlib.util.module_from_spec(_spec)
@@ -76,9 +81,11 @@ if os.environ.get({stubs!r}) or os.environ.get({hide!r}):
     _probe.install_from_environment()
 for _entry in sys.path:
     _other = os.path.join(_entry or ".", "sitecustomize.py")
-    if os.path.abspath(_entry or ".") != _here and os.path.exists(_other):
-        exec(compile(open(_other).read(), _other, "exec"), {{"__name__": "sitecustomize", "__file__": _other}})
-        break
+    if os.path.exists(_other):
+        _text = open(_other).read()
+        if not _text.startswith({marker!r}):
+            exec(compile(_text, _other, "exec"), {{"__name__": "sitecustomize", "__file__": _other}})
+            break
 """
 MAX_STUBS = 80
 KINDS = ("compiled", "pruned", "missing", "load", "attribute")
@@ -527,11 +534,13 @@ def _setup(args) -> Prober:
     for i, path in enumerate(paths):
         if path not in sys.path:
             sys.path.insert(i, path)
-    site_dir = Path(tempfile.mkdtemp(prefix="vllm_gpu_probe_site_"))
-    (site_dir / "sitecustomize.py").write_text(SITECUSTOMIZE.format(stubs=STUBS_ENV, hide=HIDE_ENV,
-                                                                    probe=str(Path(__file__).resolve())))
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(site_dir), *paths, os.environ.get("PYTHONPATH", "")]).rstrip(
-        os.pathsep)
+    if not os.path.isdir(os.environ.get(SITE_ENV, "")):  # else a subprocess of a probe: its PYTHONPATH is set
+        site_dir = tempfile.mkdtemp(prefix="vllm_gpu_probe_site_")
+        Path(site_dir, "sitecustomize.py").write_text(SITECUSTOMIZE.format(
+            stubs=STUBS_ENV, hide=HIDE_ENV, probe=str(Path(__file__).resolve()), marker=MARKER))
+        os.environ[SITE_ENV] = site_dir
+        os.environ["PYTHONPATH"] = os.pathsep.join([site_dir, *paths, os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep)
     if args.hide:
         os.environ[HIDE_ENV] = args.hide
         sys.meta_path.insert(0, HideFinder(n for n in args.hide.split(",") if n))
