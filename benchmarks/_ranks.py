@@ -96,6 +96,22 @@ def start_producers(target, tp_size: int, args, daemon: bool = True):
     return producers, addresses
 
 
+def start_engines(target, engines: int, tp_size: int, args, daemon: bool = True):
+    """As start_producers for ``engines`` engines at once, ``args(engine, rank)``; (``[ranks]``, rank-0 addresses).
+
+    Every rank of every engine is spawned before any address is awaited, so the engines start side by side.
+    """
+    fleet = [[spawn(target, args(e, rank), daemon=daemon) for rank in range(tp_size)] for e in range(engines)]
+    firsts = []
+    for ranks in fleet:
+        addresses = [answer(conn, proc) for proc, conn in ranks]
+        if tp_size > 1:
+            for _, conn in ranks:
+                conn.send(addresses)
+        firsts.append(addresses[0])
+    return fleet, firsts
+
+
 def answer(conn, proc):
     """The next message on ``conn``; a rank that died raises instead of leaving this process waiting forever."""
     try:
@@ -119,13 +135,18 @@ def hold_everywhere(producers, request_id: str, block_ids, tokens: int):
     return ticket
 
 
-def fill_everywhere(producers, requests) -> None:
-    """Write the verify pattern of every (RequestLayout, seed) pair on every rank of one engine (each its shard)."""
-    command = Fill(tuple(requests))
-    for _, conn in producers:
-        conn.send(command)
-    for proc, conn in producers:
-        answer(conn, proc)
+def fill_engines(fleet, requests_per_engine) -> None:
+    """Write the verify pattern of each engine's (RequestLayout, seed) pairs on every rank of it (each its shard).
+
+    Every rank is sent its command before any answer is awaited, so the engines fill side by side.
+    """
+    for ranks, requests in zip(fleet, requests_per_engine, strict=True):
+        command = Fill(tuple(requests))
+        for _, conn in ranks:
+            conn.send(command)
+    for ranks in fleet:
+        for proc, conn in ranks:
+            answer(conn, proc)
 
 
 def stop_producers(producers, timeout: float | None = None) -> None:

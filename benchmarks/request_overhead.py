@@ -43,7 +43,16 @@ import statistics
 import sys
 import time
 
-from _ranks import answer, fill_everywhere, hold_everywhere, serve_holds, spawn, start_producers, stop_producers
+from _ranks import (
+    answer,
+    fill_engines,
+    hold_everywhere,
+    serve_holds,
+    spawn,
+    start_engines,
+    start_producers,
+    stop_producers,
+)
 from _ranks import blocks_for as _blocks_for
 from _ranks import device as _device
 from _ranks import geometry as _geometry
@@ -295,18 +304,15 @@ def run_batched(case: str, reps: int, device: str, batch: int, batching: str, en
     p_geo = _geometry(preset, p_tp, 0)
     mem = mem or plan_memory(case, batch, engines, budget_gib=float("inf"))
     p_blocks, d_blocks = mem["p_blocks"], mem["d_blocks"]
-    fleet = []  # per engine: its [(process, conn)] per rank
-    addresses = []  # rank 0 of each engine
     # The fleet polls at one engine's total rate: E idle ranks polling every 0.1 ms would take the 2-core CPU
     # host's cores from the measured rank (a READ's DONE needs nothing from the producers).
     sleep_s = IDLE_SLEEP_S * engines
-    for e in range(engines):
+
+    def rank_args(e: int, rank: int) -> tuple:
         engine_id = "overhead" if engines == 1 else f"overhead-{e}"
-        ranks, addrs = start_producers(_producer, p_tp,
-                                       lambda rank, eid=engine_id, inc=e + 1: (preset, p_tp, rank, p_blocks, device,
-                                                                               eid, inc, sleep_s))
-        fleet.append(ranks)
-        addresses.append(addrs[0])
+        return preset, p_tp, rank, p_blocks, device, engine_id, e + 1, sleep_s
+
+    fleet, addresses = start_engines(_producer, engines, p_tp, rank_args)  # per engine: [(process, conn)] per rank
     consumer, c_parent = spawn(_consumer_batch, (preset, d_tp, d_blocks, tokens, reps, device, batch, batching))
     c_parent.send(addresses)
 
@@ -315,9 +321,8 @@ def run_batched(case: str, reps: int, device: str, batch: int, batching: str, en
     for frag_index, frag in enumerate((0.0, 1.0)):
         remotes = [make_requests(p_geo, [tokens] * shares[e], p_blocks, rng=3 + e, fragmentation=frag)
                    for e in range(engines)]
-        for e, ranks in enumerate(fleet):
-            fill_everywhere(ranks, [(remote, _seed(frag_index, e + k * engines))
-                                    for k, remote in enumerate(remotes[e])])
+        fill_engines(fleet, [[(remote, _seed(frag_index, e + k * engines)) for k, remote in enumerate(remotes[e])]
+                             for e in range(engines)])
         for _ in range(reps + 1):
             tickets = []
             for i in range(batch):
