@@ -8,7 +8,8 @@ platform imports ``vllm._C_stable_libtorch`` at import time. With vLLM's Python 
      (``vllm.distributed.kv_transfer.kv_connector.v1.nixl``) and the model class integrations/vllm_peer's
      config names (Qwen3-Next's). Each module that fails to import is replaced in
      ``sys.modules`` by a stub, one at a time, and the import is retried; each stub is logged with its kind:
-       compiled   one of vLLM's compiled modules (not carried)
+       compiled   one of vLLM's compiled modules (not carried), a module that requires one, or one of their
+                  custom ops (``torch.ops._C:<op>``)
        pruned     one of vLLM's .py modules that scripts/gpu_carry.sh left out (a gap in the carry)
        missing    a package the host lacks
        load       a module that is there but raised ImportError while loading
@@ -53,6 +54,7 @@ import platform
 import re
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 import traceback
@@ -242,7 +244,9 @@ class Prober:
 
     def stub_attribute(self, module, attr: str, step: str, error: str) -> None:
         setattr(module, attr, Stub(f"{module.__name__}.{attr}"))
-        self.stubs.append(StubRecord(f"{module.__name__}:{attr}", "attribute", step, error))
+        # torch.ops.<namespace> is a module too: a missing op there is one of vLLM's compiled custom ops
+        kind = "compiled" if module.__name__.startswith("torch.ops.") else "attribute"
+        self.stubs.append(StubRecord(f"{module.__name__}:{attr}", kind, step, error))
         os.environ[STUBS_ENV] = self.export()
         log.warning("stub attribute %s.%s   (%s)", module.__name__, attr, error)
 
@@ -268,7 +272,14 @@ class Prober:
                 self.stub_attribute(module, attr, step, error)
                 return True
             name = exc.name
-            if not name or self.finder.covers(name):
+            if not name:  # a module's own "requires ..." ImportError: the module that raised it is stubbed
+                name = raising_module(exc)
+                if not name or self.finder.covers(name):
+                    return False
+                compiled_inside = any(c.startswith(name + ".") for c in self.compiled)
+                self.stub_module(name, "compiled" if compiled_inside else "load", step, error)
+                return True
+            if self.finder.covers(name):
                 return False
             self.stub_module(name, self._kind(name, exc), step, error)
             return True
@@ -301,11 +312,11 @@ class Prober:
     def install(self, records: list[dict]) -> None:
         """Re-install stubs found by a parent process (modules first; attributes on their real modules)."""
         for r in records:
-            if r["kind"] != "attribute":
+            if ":" not in r["name"]:
                 self.finder.names.add(r["name"])
                 self.stubs.append(StubRecord(**r))
         for r in records:
-            if r["kind"] == "attribute":
+            if ":" in r["name"]:
                 owner, attr = r["name"].split(":")
                 with contextlib.suppress(Exception):
                     self.stub_attribute(importlib.import_module(owner), attr, r["step"], r["error"])
@@ -315,6 +326,21 @@ def last_line(exc: BaseException, limit: int = 400) -> str:
     """The exception's own line (a message that carries a remote traceback keeps only its first line)."""
     text = traceback.format_exception_only(exc)[-1].strip().splitlines()[0]
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def raising_module(exc: BaseException) -> str | None:
+    """The dotted name of the module whose top-level code raised ``exc`` (None: not module code, or stdlib)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    if not frames or frames[-1].name != "<module>":
+        return None
+    path = os.path.abspath(frames[-1].filename)
+    stdlib = sysconfig.get_paths()["stdlib"]
+    roots = sorted((os.path.abspath(p) for p in sys.path if p and os.path.isdir(p)), key=len, reverse=True)
+    for root in roots:
+        if path.startswith(root + os.sep) and path.endswith(".py") and not root.startswith(stdlib):
+            name = os.path.relpath(path, root)[:-3].replace(os.sep, ".")
+            return name.removesuffix(".__init__")
+    return None
 
 
 def vllm_frames(exc: BaseException, count: int = 4) -> list[str]:
@@ -615,12 +641,12 @@ def main(argv: list[str] | None = None) -> int:
         connector_ok, _ = step("import NixlConnector", import_connector)
         step("import the model class", import_model_class)
         step("NIXL through vLLM's wrapper", nixl_check)
-        if connector_ok:
-            ok, support = step("vllm_peer device support", peer_device_support)
-            if ok and support["device_argument"]:
+        ok, support = step("vllm_peer device support", peer_device_support)
+        if ok:
+            if support["device_argument"] and connector_ok:
                 step("side-by-side on cuda", lambda: run_side_by_side(args.preset, args.tokens, args.concurrency,
                                                                       "cuda"))
-            elif ok:
+            elif not support["device_argument"]:
                 print("integrations/vllm_peer is CPU-only; the lines that fix the CPU:", flush=True)
                 for line in support["cpu_fixed_at"]:
                     print("   ", line)
