@@ -174,13 +174,17 @@ def _seed(frag_index: int, slot: int) -> int:
     return 1 + 1000 * frag_index + slot
 
 
-def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, batch, batching) -> None:
+def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, batch, batching,
+                    profile=False) -> None:
     """One step of ``batch`` requests per repetition through start_reads; worker-thread time per request.
 
     Linked to every producer engine whose address it is sent. Every step's bytes are checked: the cache is
     poisoned before the step and compared after it with the expected bytes (hybrid_transfer.verify), both
     outside the timed calls.
     """
+    import cProfile
+    import pstats
+
     import torch
 
     from hybrid_transfer import Consumer, EngineConfig, HybridCache
@@ -194,6 +198,7 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
     timed = time_nixl_calls(consumer)  # NIXL's data-path calls on this thread, timed into timed.spent
     for address in conn.recv():  # rank 0 of each producer engine
         consumer.connect(address)
+    profiler = cProfile.Profile() if profile else None
     rows = []
     for frag_index, frag in enumerate((0.0, 1.0)):
         locals_ = make_requests(geometry, [tokens] * batch, num_blocks, rng=7, fragmentation=frag)
@@ -205,6 +210,8 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
             poison(cache)
             timed.spent = 0.0
             posted0 = consumer.stats.reads_posted
+            if profiler is not None and i:
+                profiler.enable()
             t0 = time.perf_counter()
             errors = consumer.start_reads([Read(t, local.block_ids, tokens) for t, local in zip(tickets, locals_,
                                                                                                strict=True)])
@@ -217,6 +224,8 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
                 done += consumer.poll()
                 worker_s += time.perf_counter() - p0
                 polls += 1
+            if profiler is not None:
+                profiler.disable()
             bad = [r for r in done if not r.ok]
             if bad:
                 raise RuntimeError(f"read failed: {bad[0].error}")
@@ -233,6 +242,11 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
         rows.append({"fragmentation": frag, "batching": batching, "batch": batch,
                      "descriptors": statistics.mean(r.num_descriptors for r in done), "verified_steps": reps + 1, **row})
         del expected
+    if profiler is not None:  # on stderr: where the worker thread's time goes (profiling slows it down)
+        print(f"=== cProfile, read_batching={batching}", file=sys.stderr)
+        stats = pstats.Stats(profiler, stream=sys.stderr)
+        stats.sort_stats("tottime").print_stats(25)
+        stats.sort_stats("cumulative").print_stats(45)
     conn.send(rows)
     consumer.close()
 
@@ -291,7 +305,7 @@ def describe_memory(case: str, engines: int, mem: dict) -> str:
 
 
 def run_batched(case: str, reps: int, device: str, batch: int, batching: str, engines: int = 1,
-                mem: dict | None = None) -> list[dict]:
+                mem: dict | None = None, profile: bool = False) -> list[dict]:
     """As run(), one step of ``batch`` requests per repetition (distinct blocks on both sides).
 
     ``engines`` producer engines (each its own engine_id and incarnation, its prefill_tp rank processes and
@@ -313,7 +327,8 @@ def run_batched(case: str, reps: int, device: str, batch: int, batching: str, en
         return preset, p_tp, rank, p_blocks, device, engine_id, e + 1, sleep_s
 
     fleet, addresses = start_engines(_producer, engines, p_tp, rank_args)  # per engine: [(process, conn)] per rank
-    consumer, c_parent = spawn(_consumer_batch, (preset, d_tp, d_blocks, tokens, reps, device, batch, batching))
+    consumer, c_parent = spawn(_consumer_batch, (preset, d_tp, d_blocks, tokens, reps, device, batch, batching,
+                                                          profile))
     c_parent.send(addresses)
 
     shares = _shares(batch, engines)
@@ -391,7 +406,8 @@ def main() -> None:
             mem = plan_memory(case, args.batch, args.engines, args.mem_budget_gib)
             print(describe_memory(case, args.engines, mem), file=sys.stderr if args.json else sys.stdout, flush=True)
             rows += [r for batching in ("per_step", "per_request")
-                     for r in run_batched(case, args.reps, args.device, args.batch, batching, args.engines, mem)]
+                     for r in run_batched(case, args.reps, args.device, args.batch, batching, args.engines, mem,
+                                             args.profile)]
         if args.json:
             print(json.dumps(rows, indent=1))
             return
