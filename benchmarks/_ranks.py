@@ -61,6 +61,11 @@ def serve_holds(conn, producer, tp_size: int, hold=None, wait_s: float = 0.0, sl
 
                 for layout, seed in command.requests:
                     fill_source(producer.cache, layout, seed)
+                if producer.cache.tensors[0].is_cuda:
+                    import torch
+
+                    # Written before any READ of them: UCX's copies are not ordered after this stream's kernels.
+                    torch.cuda.synchronize(producer.cache.tensors[0].device)
                 conn.send("filled")
                 continue
             request_id, block_ids, tokens, nonce = command

@@ -208,6 +208,8 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
         for i in range(reps + 1):
             tickets = conn.recv()
             poison(cache)
+            if cache.tensors[0].is_cuda:  # the poison lands before the READs (UCX's copies do not wait for it)
+                torch.cuda.synchronize(cache.tensors[0].device)
             timed.spent = 0.0
             posted0 = consumer.stats.reads_posted
             if profiler is not None and i:
