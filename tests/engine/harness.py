@@ -1,7 +1,10 @@
 """Process harness for engine tests: spawned worker processes host producer and consumer ranks.
 
-A Cluster starts its workers once (spawn: each imports torch and NIXL, ~3 s of CPU), so one
-cluster serves a whole test session. A worker hosts any number of ranks, each with its own NIXL
+Workers fork from a fork server that imported torch, NIXL and the engine once (worker_context,
+worker_imports.py), so a new worker costs a fork, not ~1.5 s of CPU for its imports; each worker still
+takes the environment of the test process as it was when the worker started, as a spawned one would.
+The engine tests' Cluster (tests/engine/conftest.py) is shared by their tests and closed once they are
+done. A worker hosts any number of ranks, each with its own NIXL
 agent, keyed by name; between commands it keeps polling every rank it hosts, so producers
 progress NIXL (docs/tuning.md#progress-thread: a target must be progressed) and free blocks while the test waits on
 consumers. Commands travel over a Pipe and run one at a time; an exception comes back as a
@@ -255,13 +258,19 @@ def raw_notify(state, key, peer_name, message) -> None:
 _OPS = {name.removeprefix("_op_"): fn for name, fn in globals().items() if name.startswith("_op_")}
 
 
-def worker_main(conn) -> None:
-    """Command loop of one worker process; polls its ranks whenever no command is waiting."""
+def worker_main(conn, environ: dict[str, str]) -> None:
+    """Command loop of one worker process; polls its ranks whenever no command is waiting.
+
+    ``environ``: the test process's environment when it started this worker (the fork server's is older).
+    A worker that hosts nothing to progress sleeps until the next command instead of polling.
+    """
+    os.environ.clear()
+    os.environ.update(environ)
     logging.basicConfig(level=os.environ.get("HT_TEST_LOG", "WARNING"))
     state = _WorkerState()
     try:
         while True:
-            if conn.poll(IDLE_POLL_S):
+            if conn.poll(IDLE_POLL_S if state.ranks or state.extra else None):
                 message = conn.recv()
                 if message is None:
                     break
@@ -277,13 +286,38 @@ def worker_main(conn) -> None:
 
 
 # ---- the test side ---------------------------------------------------------------
+PRELOAD = ["worker_imports"]  # imported by the fork server before it forks any worker
+
+
+def worker_context():
+    """The multiprocessing context workers start from: a fork server that has imported PRELOAD.
+
+    The server starts here (once; it lives as long as the test process) with this folder on its
+    PYTHONPATH: multiprocessing hands it the preload list but not our sys.path. A preload that fails to
+    import only makes each worker import on its own. Pass a context of your own (spawn) to Worker for a
+    worker that must not share the server's imports.
+    """
+    from multiprocessing import forkserver
+
+    from hybrid_transfer.engine.tcp_path import environment
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    here = os.path.dirname(os.path.abspath(__file__))
+    with environment({"PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}):
+        forkserver.ensure_running()
+    return ctx
+
+
 class Worker:
-    """One spawned worker process and its command pipe."""
+    """One worker process (forked from the fork server of ``ctx``, or spawned) and its command pipe."""
 
     def __init__(self, ctx, index: int):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=worker_main, args=(child,), name=f"engine-worker-{index}", daemon=True)
+        self.process = ctx.Process(target=worker_main, args=(child, dict(os.environ)), name=f"engine-worker-{index}",
+                                   daemon=True)
         self.process.start()
+        child.close()  # the worker holds the other end: if it dies, a poll here sees the pipe closed
 
     def call(self, op: str, *args, timeout_s: float = 120.0):
         self.conn.send((op, args))
@@ -294,28 +328,37 @@ class Worker:
             raise RemoteError(value)
         return value
 
-    def close(self) -> None:
+    def ask_to_stop(self) -> None:
+        """Send the stop message (the worker closes its ranks and exits); does not wait."""
         if self.process.is_alive():
             try:
                 self.conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-            self.process.join(timeout=20)
+
+    def close(self, timeout_s: float = 20.0) -> None:
+        self.ask_to_stop()
+        self.process.join(timeout=timeout_s)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self.conn.close()
 
 
 class Cluster:
-    """``num_workers`` spawned workers, started together."""
+    """``num_workers`` workers, started together from ``ctx`` (worker_context() unless given)."""
 
-    def __init__(self, num_workers: int):
-        ctx = mp.get_context("spawn")
+    def __init__(self, num_workers: int, ctx=None):
+        ctx = ctx or worker_context()
         self.workers = [Worker(ctx, i) for i in range(num_workers)]
 
-    def close(self) -> None:
+    def close(self, timeout_s: float = 20.0) -> None:
+        """Stop every worker: all are asked at once, then each is waited for (killed after ``timeout_s``)."""
         for w in self.workers:
-            w.close()
+            w.ask_to_stop()
+        deadline = time.monotonic() + timeout_s
+        for w in self.workers:
+            w.close(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass

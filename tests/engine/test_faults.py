@@ -15,14 +15,22 @@ happens when the test says, not when a loaded machine gets round to it.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
 import uuid
 
 import pytest
-from harness import TINY, EngineRanks, RankSpec, Worker, hold_everywhere, start_consumers, start_producers
+from harness import (
+    TINY,
+    EngineRanks,
+    RankSpec,
+    Worker,
+    hold_everywhere,
+    start_consumers,
+    start_producers,
+    worker_context,
+)
 from lifecycle_ops import advance_clock, create_producer, pause, resume, status, wait_results
 
 from hybrid_transfer.engine import EngineConfig
@@ -34,7 +42,7 @@ WAIT_S = 30.0
 @pytest.fixture(scope="module")
 def victims():
     """Fresh workers of their own, started together: the tests kill them."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     workers = [Worker(ctx, 100 + i) for i in range(2)]
     yield workers
     for w in workers:

@@ -10,7 +10,6 @@ slow (or dead) would.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import time
@@ -18,7 +17,7 @@ import uuid
 
 import pytest
 from api_ops import fill, hold_ticket_and_poll, rank_card
-from harness import TINY, EngineRanks, RankSpec, Worker, hold_everywhere
+from harness import TINY, EngineRanks, RankSpec, Worker, hold_everywhere, worker_context
 from lifecycle_ops import advance_clock, create_producer, pause, resume, status, wait_results
 
 from hybrid_transfer.engine import EngineCard, EngineConfig, encode_ticket, issue_ticket
@@ -44,7 +43,7 @@ def _local(i: int) -> tuple[tuple[int, ...], ...]:
 @pytest.fixture
 def victim():
     """A fresh worker of its own: the kill tests kill it."""
-    w = Worker(mp.get_context("spawn"), 200)
+    w = Worker(worker_context(), 200)
     yield w
     w.close()
 

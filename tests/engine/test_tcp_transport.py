@@ -8,11 +8,12 @@ that interface is an end of a veth pair and no byte leaves the namespace. Produc
 wildcard and advertise the interface's IPv4 address; consumers allow only that address. With no such
 interface the module fails (it never skips). UCX prints its protocol tables (``UCX_PROTO_INFO=y``) into
 one log per process, and the last test stops the processes and reads them back: every READ a rank posted went over tcp on that
-interface. This module starts its own three rank processes (the session cluster keeps shared memory).
+interface. This module spawns its own three rank processes (the session cluster keeps shared memory).
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
 from pathlib import Path
 
@@ -41,8 +42,11 @@ def tcp():
     log_dir = Path(os.environ.get("HT_TCP_LOG_DIR") or _fresh_dir())
     env = {**tcp_only_env(iface.name), "UCX_PROTO_INFO": "y",
            "UCX_LOG_FILE": str(log_dir / "ucx.%p.log")}  # UCX expands %p to the process id
-    with environment(env):  # spawned processes take the parent's environment when they start
-        cluster = Cluster(NUM_WORKERS)
+    # Spawned, not forked from the fork server the other engine tests use (harness.worker_context): that server
+    # loaded UCX's libraries once, and UCX's log file is set up then; spawned workers each start UCX afresh in
+    # the parent's environment as it is when they start, writing one log per process.
+    with environment(env):
+        cluster = Cluster(NUM_WORKERS, mp.get_context("spawn"))
     try:
         yield cluster, iface, log_dir
     finally:
