@@ -7,7 +7,10 @@ this process, decode engine in a spawned one, loopback UCX), over caches from vL
 checked against the source; the run fails unless both connectors moved the same requests between
 the same block ids with the same bytes. Connectors: vllm-nixl (vLLM's defaults: NIXL's progress
 thread), hybrid (ours, our defaults: no progress thread), hybrid-progress (ours with NIXL's
-progress thread, as vLLM's agent runs). The same UCX threads (--threads) and environment for all.
+progress thread, as vLLM's agent runs), hybrid-post (ours with the posting thread). The same UCX threads
+(--threads) and environment for all. --device cuda puts both engines' caches on GPU 0 (the two processes share
+it; UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y is set for both when unset) and needs vLLM's CUDA platform: leave
+VLLM_TARGET_DEVICE unset there.
 
 Run with the vLLM environment's python:
 
@@ -25,7 +28,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     from hybrid_transfer.integrations.vllm_peer import PeerSpec, plain_table, run_side_by_side, same_requests, to_json
-    from hybrid_transfer.integrations.vllm_peer.model import CONNECTORS
+    from hybrid_transfer.integrations.vllm_peer.model import CONNECTORS, DEVICES
 
     d = PeerSpec()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
@@ -40,12 +43,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=d.num_threads, help="UCX thread-pool threads, every agent")
     parser.add_argument("--connectors", default=",".join(CONNECTORS), help="comma-separated, run in this order")
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--device", choices=DEVICES, default=d.device,
+                        help="where both engines' caches live (cuda: GPU 0 for both processes)")
     parser.add_argument("--json", action="store_true", help="also print the figures as JSON")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     spec = PeerSpec(preset=args.preset, tokens=args.tokens, concurrency=args.concurrency, waves=args.waves,
                     rounds=args.rounds, warmup=args.warmup, num_threads=args.threads, seed=args.seed,
-                    connectors=tuple(c for c in args.connectors.split(",") if c)).validate()
+                    connectors=tuple(c for c in args.connectors.split(",") if c), device=args.device).validate()
     results = run_side_by_side(spec)
     print(plain_table(spec, results))
     problems = same_requests(results)

@@ -57,8 +57,8 @@ def compare(kvc, actual: dict, actual_ids, expected: dict, expected_ids, num_tok
     pairs = zip(valid_slices(kvc, actual, actual_ids, num_tokens),
                 valid_slices(kvc, expected, expected_ids, num_tokens), strict=True)
     for (name, got), (_, want) in pairs:
-        got_bytes = got.contiguous().view(-1).view(dtype=_u8()).numpy()
-        want_bytes = want.contiguous().view(-1).view(dtype=_u8()).numpy()
+        got_bytes = got.contiguous().view(-1).view(dtype=_u8()).cpu().numpy()  # .cpu(): a CPU tensor as it is
+        want_bytes = want.contiguous().view(-1).view(dtype=_u8()).cpu().numpy()
         bad = got_bytes != want_bytes
         if bad.any():
             first = int(bad.argmax())

@@ -61,7 +61,8 @@ class _Host:
 
         self.close()
         self.engine = PeerEngine(connector, "kv_consumer", shape, seed=seed)
-        self.expected = allocate(self.engine.kv_cache_config)  # the source's bytes, from the same seed
+        # The source's bytes, from the same seed, in this host's memory whatever the device (compared there).
+        self.expected = allocate(self.engine.kv_cache_config)
         fill_pattern(self.expected, seed)
         return self.engine.vllm_config.kv_transfer_config.engine_id
 

@@ -143,9 +143,10 @@ def fill_pattern(caches: dict, seed: int) -> None:
     import torch
 
     for i, storage in enumerate(_storages(caches)):
-        flat = torch.empty(0, dtype=torch.uint8).set_(storage)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        flat = _flat(storage)
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + i)  # drawn on the CPU: the same bytes on any device
         flat.copy_(torch.randint(0, 256, (flat.numel(),), dtype=torch.uint8, generator=gen))
+    _settle(caches)
 
 
 POISON = 0x5A
@@ -156,10 +157,24 @@ def poison(caches: dict) -> None:
     is resident before timing (``allocate_kv_cache``'s zeroed memory is mapped on first write; a serving
     engine's cache is long resident, and the first write's page faults would land in whichever hook touches a
     page first: measured 22 ms per request inside our tail zeroing on this host)."""
+    for storage in _storages(caches):
+        _flat(storage).fill_(POISON)
+    _settle(caches)
+
+
+def _settle(caches: dict) -> None:
+    """On a GPU, wait for the writes queued on the caches: their bytes are in place before NIXL reads them."""
     import torch
 
-    for storage in _storages(caches):
-        torch.empty(0, dtype=torch.uint8).set_(storage).fill_(POISON)
+    if any(s.device.type == "cuda" for s in _storages(caches)):
+        torch.cuda.synchronize()
+
+
+def _flat(storage):
+    """A uint8 tensor over a whole untyped storage, on the storage's device."""
+    import torch
+
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _storages(caches: dict) -> list:
@@ -172,14 +187,21 @@ def _storages(caches: dict) -> list:
     return out
 
 
-def allocate(kvc):
-    """vLLM's cache tensors for ``kvc`` (one backing allocation, LBHNC views, kernel block = logical block)."""
+def torch_device(device: str):
+    """The torch device of an EngineShape's ``device``: the CPU, or GPU 0 (prefill and decode share one GPU)."""
     import torch
+
+    return torch.device("cuda", 0) if device == "cuda" else torch.device(device)
+
+
+def allocate(kvc, device: str = "cpu"):
+    """vLLM's cache tensors for ``kvc`` on ``device`` (one backing allocation, LBHNC views, kernel block =
+    logical block)."""
     from vllm.v1.kv_cache_interface import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 
     kernel_sizes = [g.kv_cache_spec.block_size for g in kvc.kv_cache_groups]
-    return allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBHNC, kernel_sizes)
+    return allocate_kv_cache(kvc, torch_device(device), KVCacheLayout.LBHNC, kernel_sizes)
 
 
 class PeerEngine:
@@ -214,7 +236,11 @@ class PeerEngine:
                 structured_output_manager=StructuredOutputManager(vc), block_size=scheduler_block,
                 hash_block_size=hash_block)
             self.worker = KVConnectorFactory.create_connector(vc, KVConnectorRole.WORKER, kvc)
-            self.caches = allocate(kvc)
+            if shape.device == "cuda":
+                import torch
+
+                torch.cuda.set_device(torch_device(shape.device))  # this thread's context, as a GPU worker sets it
+            self.caches = allocate(kvc, shape.device)
             if kv_role == "kv_producer":
                 fill_pattern(self.caches, seed)
             else:

@@ -36,6 +36,7 @@ _CACHE_KEYS = (
     "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "mamba_ssm_dtype",
 )
 KERNEL_MULTIPLE = 16  # FlashAttention's kernel block rule (any multiple of 16), as on a GPU
+DEVICES = ("cpu", "cuda")  # where the caches may live (EngineShape.device)
 
 
 def preset_cache_fields(preset: str) -> dict:
@@ -73,29 +74,52 @@ def model_dir(preset: str, max_model_len: int) -> str:
     return str(path)
 
 
+@functools.cache
 def attention_backend():
-    """vLLM's CPU attention backend reporting FlashAttention's kernel block sizes (the live layers that would
-    report a backend are never built here)."""
-    from vllm.v1.attention.backend import MultipleOf
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    """An attention backend that reports only FlashAttention's kernel block rule and vLLM's LBHNC layout.
 
-    class KernelSizedBackend(CPUAttentionBackend):
+    The live layers that would report a backend are never built here, and no kernel runs: vLLM's block-size
+    alignment and its NIXL worker read the kernel block sizes, the layout and the name (the handshake's
+    compatibility hash). The same class serves CPU and CUDA caches (FlashAttention's own backend needs its
+    compiled kernels, which a host without vLLM's build lacks). One class per process (cached).
+    """
+    from vllm.v1.attention.backend import AttentionBackend, MultipleOf
+    from vllm.v1.kv_cache_interface import KVCacheLayout
+
+    class KernelSizedBackend(AttentionBackend):
+        @staticmethod
+        def get_name() -> str:
+            return "HT_KERNEL_SIZED"
+
+        @staticmethod
+        def get_impl_cls():
+            raise NotImplementedError("no attention kernel: integrations/vllm_peer builds no layer")
+
+        @staticmethod
+        def get_builder_cls():
+            raise NotImplementedError("no attention kernel: integrations/vllm_peer builds no layer")
+
         @staticmethod
         def get_supported_kernel_block_sizes(kv_cache_spec=None):
             return [MultipleOf(KERNEL_MULTIPLE)]
+
+        @classmethod
+        def supported_kv_cache_layouts(cls):
+            return (KVCacheLayout.LBHNC,)
 
     return KernelSizedBackend
 
 
 @dataclass(frozen=True)
 class EngineShape:
-    """What both connectors' engines share: model, request size, pool size, batch limits, UCX threads."""
+    """What both connectors' engines share: model, request size, pool size, batch limits, UCX threads, device."""
 
     preset: str
     tokens: int  # tokens whose KV moves per request (the prompt is tokens + 1: N-1 move)
     num_blocks: int
     max_num_seqs: int
     num_threads: int = 0  # UCX thread-pool threads of every NIXL agent (vLLM's num_threads, our num_backend_threads)
+    device: str = "cpu"  # where both engines' caches live: "cpu", or "cuda" (GPU 0 for both processes)
 
     @property
     def max_model_len(self) -> int:
@@ -109,6 +133,7 @@ def connector_transfer_config(connector: str, kv_role: str, shape: EngineShape):
     engine_id = f"{connector}-{kv_role}-{uuid.uuid4().hex[:8]}"
     if connector == VLLM_NIXL:
         return KVTransferConfig(kv_connector="NixlConnector", kv_role=kv_role, engine_id=engine_id,
+                                kv_buffer_device=shape.device,  # the caches' own memory, no host staging
                                 kv_connector_extra_config={"num_threads": shape.num_threads})
     if connector in (HYBRID, HYBRID_PROGRESS, HYBRID_POST):
         extra = {"num_backend_threads": shape.num_threads}
@@ -138,7 +163,7 @@ def build_configs(connector: str, kv_role: str, shape: EngineShape):
                                          max_num_batched_tokens=max(shape.max_model_len,
                                                                     shape.max_num_seqs * (shape.tokens + 1)),
                                          max_model_len=shape.max_model_len, is_encoder_decoder=False),
-        parallel_config=ParallelConfig(tensor_parallel_size=1), device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=1), device_config=DeviceConfig(shape.device),
         kv_transfer_config=connector_transfer_config(connector, kv_role, shape),
     )
     vc.cache_config.kv_cache_layout = "LBHNC"  # what vLLM resolves for NIXL's required layout (both connectors')

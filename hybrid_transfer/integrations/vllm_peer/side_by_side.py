@@ -28,6 +28,7 @@ from hybrid_transfer.integrations.vllm_peer import pipe
 from hybrid_transfer.integrations.vllm_peer.decode_host import WAVE_DEADLINE_S, WaveFigures, WaveRequest, host_main
 from hybrid_transfer.integrations.vllm_peer.model import (
     CONNECTORS,
+    DEVICES,
     HYBRID,
     HYBRID_PROGRESS,
     VLLM_NIXL,
@@ -38,8 +39,9 @@ from hybrid_transfer.integrations.vllm_peer.model import (
 
 log = logging.getLogger(__name__)
 
-CACHE_COPIES = 3  # prefill cache, decode cache, the decode process's regenerated source
-MEMORY_SHARE = 0.8  # of the host's free memory the caches may take
+CACHE_COPIES = 3  # prefill cache, decode cache, the decode process's regenerated source (always in host memory)
+MEMORY_SHARE = 0.8  # of the free memory (host, or GPU 0's) the caches may take
+CUDA_IPC_VAR = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"  # without =y UCX moves GPU bytes over TCP (docs/tuning.md#cuda-ipc)
 CREATE_TIMEOUT_S = 300.0  # the decode process imports vLLM first (10-60 s on a loaded 2-core host)
 # What the toy proxy of vLLM's NIXL tests sends the prefill engine (both connectors read do_remote_decode).
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -59,6 +61,7 @@ class PeerSpec:
     num_threads: int = 0  # UCX thread-pool threads of every agent, both connectors
     seed: int = 0
     connectors: tuple[str, ...] = CONNECTORS
+    device: str = "cpu"  # where both engines' caches live: "cpu" (DRAM) or "cuda" (GPU 0, both processes)
 
     def validate(self) -> PeerSpec:
         for name, low in (("tokens", 1), ("concurrency", 1), ("waves", 1), ("rounds", 1), ("warmup", 1),
@@ -70,6 +73,9 @@ class PeerSpec:
         if unknown or not self.connectors:
             raise ConfigError(f"connectors {list(self.connectors)!r}: pick from {', '.join(CONNECTORS)}",
                               field="connectors", value=self.connectors)
+        if self.device not in DEVICES:
+            raise ConfigError(f"device {self.device!r}: pick from {', '.join(DEVICES)}", field="device",
+                              value=self.device)
         return self
 
 
@@ -203,19 +209,30 @@ def engine_shape(spec: PeerSpec) -> EngineShape:
     connectors run on their defaults.
     """
     probe = EngineShape(spec.preset, spec.tokens, num_blocks=16, max_num_seqs=spec.concurrency,
-                        num_threads=spec.num_threads)
+                        num_threads=spec.num_threads, device=spec.device)
     _, kvc = build_configs(VLLM_NIXL, "kv_both", probe)
     num_blocks = -(-blocks_per_request(kvc, spec.tokens) * spec.concurrency * 10 // 9) + 2
     shape = EngineShape(spec.preset, spec.tokens, num_blocks=num_blocks, max_num_seqs=spec.concurrency,
-                        num_threads=spec.num_threads)
-    # The caches this host holds at once: prefill, decode and the decode process's copy of the source.
+                        num_threads=spec.num_threads, device=spec.device)
+    # The caches held at once: prefill, decode and the decode process's copy of the source (in host memory).
     cache_bytes = sum(t.size for t in build_configs(VLLM_NIXL, "kv_both", shape)[1].kv_cache_tensors)
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if CACHE_COPIES * cache_bytes > MEMORY_SHARE * available:
-        raise ConfigError(f"{spec.concurrency} requests of {spec.tokens} tokens need {CACHE_COPIES} caches of "
-                          f"{cache_bytes / 2**30:.1f} GiB; this host has {available / 2**30:.1f} GiB free: lower "
-                          "--tokens or --concurrency", field="concurrency", value=spec.concurrency)
+    for where, copies, available in _free_memory(spec.device):
+        if copies * cache_bytes > MEMORY_SHARE * available:
+            raise ConfigError(f"{spec.concurrency} requests of {spec.tokens} tokens need {copies} caches of "
+                              f"{cache_bytes / 2**30:.1f} GiB in {where}, which has {available / 2**30:.1f} GiB "
+                              "free: lower --tokens or --concurrency", field="concurrency", value=spec.concurrency)
     return shape
+
+
+def _free_memory(device: str) -> list[tuple[str, int, int]]:
+    """(where, cache copies it holds, free bytes) for each memory the caches take on ``device``."""
+    host = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if device != "cuda":
+        return [("this host's memory", CACHE_COPIES, host)]
+    import torch
+
+    free, _ = torch.cuda.mem_get_info(0)
+    return [("GPU 0", CACHE_COPIES - 1, free), ("this host's memory", 1, host)]
 
 
 def _prefill_wave(p, keys: list[str], num_prompt_tokens: int, deadline: float) -> dict[str, tuple[dict, tuple]]:
@@ -287,9 +304,14 @@ def run_side_by_side(spec: PeerSpec) -> list[ConnectorResult]:
     """
     spec.validate()
     shape = engine_shape(spec)
-    decode = _DecodeProcess({"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())})
-    saved = os.environ.get("VLLM_NIXL_SIDE_CHANNEL_PORT")
-    os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(_free_port())
+    env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}
+    if spec.device == "cuda" and CUDA_IPC_VAR not in os.environ:
+        log.warning("%s was unset: set to y for both engines' agents (GPU bytes would go over TCP)", CUDA_IPC_VAR)
+        env[CUDA_IPC_VAR] = "y"
+    decode = _DecodeProcess(env)
+    here = {**env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(_free_port())}  # this process: its own side-channel port
+    saved = {k: os.environ.get(k) for k in here}
+    os.environ.update(here)
     try:
         merged: dict[str, ConnectorResult] = {}
         for round_index in range(spec.rounds):
@@ -303,10 +325,11 @@ def run_side_by_side(spec: PeerSpec) -> list[ConnectorResult]:
         return [merged[c] for c in spec.connectors]
     finally:
         decode.close()
-        if saved is None:
-            os.environ.pop("VLLM_NIXL_SIDE_CHANNEL_PORT", None)
-        else:
-            os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def same_requests(results: list[ConnectorResult]) -> list[str]:
@@ -358,7 +381,9 @@ def table_rows(results: list[ConnectorResult]) -> list[list[str]]:
 
 def plain_table(spec: PeerSpec, results: list[ConnectorResult]) -> str:
     head = (f"{spec.preset}, P1 -> D1, {spec.tokens} tokens, {spec.concurrency} requests per wave, {spec.waves} "
-            f"timed waves (+{spec.warmup} warm-up) x {spec.rounds} round(s), UCX threads {spec.num_threads}, CPU DRAM, loopback")
+            f"timed waves (+{spec.warmup} warm-up) x {spec.rounds} round(s), UCX threads {spec.num_threads}, "
+            f"{'GPU 0 VRAM, prefill and decode processes on one GPU' if spec.device == 'cuda' else 'CPU DRAM'}, "
+            "loopback")
     rows = [list(COLUMNS)] + table_rows(results)
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = [head, ""] + ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
