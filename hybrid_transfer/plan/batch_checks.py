@@ -98,7 +98,7 @@ def check_plans(plans: Sequence[ReadPlan], local: RegionTable,
         r_s, a_s, l_s = req[order], addr[order], length[order]
         clash = (r_s[1:] == r_s[:-1]) & (a_s[1:] < a_s[:-1] + l_s[:-1])
         flagged[r_s[1:][clash]] = True
-        np.add.at(total, req, length)
+        total = np.bincount(req, weights=length, minlength=len(plans)).astype(np.int64)
     expected = np.fromiter((p.expected_bytes for p in plans), np.int64, len(plans))
     flagged |= total != expected
     for i in flagged.nonzero()[0].tolist():

@@ -227,6 +227,11 @@ class Planner:
         raises for that request alone. The id and plan checks run once over the whole step
         (plan/batch_checks.py); a request they flag is checked again alone for its exact error."""
         mode = PlanMode(mode)
+        if len(items) == 1:  # nothing to share: the one-request path has no batch set-up to pay
+            try:
+                return [self.plan(*items[0], mode, cost=cost)]
+            except PlanError as exc:
+                return [exc]
         out: list[ReadPlan | PlanError | None] = [None] * len(items)
         ok, lo, ro, fl, fr, counts = [], [], [], [], [], []
         for i, (local, remote, n) in enumerate(items):
