@@ -19,10 +19,13 @@ platform imports ``vllm._C_stable_libtorch`` at import time. With vLLM's Python 
   2. moves bytes between two agents of vLLM's own NIXL wrapper (``vllm.distributed.nixl_utils.NixlWrapper``)
      over UCX: GPU memory to GPU memory on a CUDA host, checked byte for byte (the carried nixl_cu13 wheel
      holds only what the UCX backend loads; the UCX transport modules loaded are listed).
-  3. runs the side-by-side of benchmarks/vllm_nixl_side_by_side.py on the CUDA device if
-     ``hybrid_transfer.integrations.vllm_peer`` takes a device; if it is CPU-only, prints the lines that fix
-     it to the CPU. ``--cpu-side-by-side`` then runs it on this host's CPU memory (a child process with
-     ``VLLM_TARGET_DEVICE=cpu``).
+  3. runs the side-by-side of benchmarks/vllm_nixl_side_by_side.py with both engines' caches on GPU 0
+     (``--device cuda``: prefill here, decode in a spawned process, the same GPU; ``--connectors``, ``--waves``,
+     ``--warmup``, ``--concurrency`` requests of ``--tokens``), under vLLM's CUDA platform and the stubs found
+     above; it prints the table and the "same requests" line, and ``--side-by-side-json`` gets its figures. On a
+     host without a GPU, or if ``hybrid_transfer.integrations.vllm_peer`` were CPU-only (the lines that fix it
+     to the CPU are printed), ``--cpu-side-by-side`` runs it on this host's CPU memory instead (a child process
+     with ``VLLM_TARGET_DEVICE=cpu``).
 
 Every Python subprocess started after step 1 (that child, its decode process, vLLM's model inspection, which
 vLLM runs in a subprocess of its own) gets the stubs found so far and ``--hide`` through a generated
@@ -30,7 +33,8 @@ vLLM runs in a subprocess of its own) gets the stubs found so far and ``--hide``
 
 Every step's outcome, every stub and every failure go to stdout and, with ``--json``, to a file.
 
-  python benchmarks/vllm_gpu_probe.py --vllm-src /tmp/vsrc --json out/probe.json     (the device machine)
+  VLLM_SSM_CONV_STATE_LAYOUT=DS python benchmarks/vllm_gpu_probe.py --vllm-src /tmp/vsrc --json out/probe.json
+      (the device machine; vLLM's NIXL moves a GDN conv state only in the DS layout)
   # locally, to test the probe itself: vLLM's environment, the carried sources, the CUDA platform forced and the
   # packages the image lacks hidden
   $(bash scripts/vllm_env.sh)/bin/python benchmarks/vllm_gpu_probe.py --vllm-src /tmp/vsrc \\
@@ -319,7 +323,19 @@ class Prober:
             if ":" in r["name"]:
                 owner, attr = r["name"].split(":")
                 with contextlib.suppress(Exception):
-                    self.stub_attribute(importlib.import_module(owner), attr, r["step"], r["error"])
+                    self.stub_attribute(resolve_owner(owner), attr, r["step"], r["error"])
+
+
+def resolve_owner(name: str):
+    """The module, or module attribute, named ``name``: ``torch.ops._C`` is an op namespace on ``torch.ops``, not an
+    importable module (a custom op stubbed in the parent must be stubbed on it in a subprocess too)."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        head, _, attr = name.rpartition(".")
+        if not head:
+            raise
+        return getattr(resolve_owner(head), attr)
 
 
 def last_line(exc: BaseException, limit: int = 400) -> str:
@@ -484,19 +500,40 @@ def peer_device_support() -> dict:
     return {"device_argument": False, "cpu_fixed_at": lines}
 
 
-def run_side_by_side(preset: str, tokens: int, concurrency: int, device: str | None) -> dict:
+DEFAULT_CONNECTORS = "vllm-nixl,hybrid,hybrid-post"
+
+
+def run_side_by_side(args, device: str | None) -> dict:
+    """The side-by-side of ``args`` (on ``device``, else vllm_peer's default, the CPU): prints its table and the
+    "same requests" line; writes its figures to ``args.side_by_side_json`` if set.
+
+    Raises:
+        BenchError: the connectors did not move the same requests, block ids and bytes (after the JSON is written).
+    """
+    from hybrid_transfer.errors import BenchError
     from hybrid_transfer.integrations.vllm_peer import PeerSpec, plain_table, same_requests, to_json
     from hybrid_transfer.integrations.vllm_peer import run_side_by_side as run
 
-    kwargs = {"preset": preset, "tokens": tokens, "concurrency": concurrency, "waves": 2, "warmup": 1,
-              "connectors": ("vllm-nixl", "hybrid")}
+    kwargs = {"preset": args.preset, "tokens": args.tokens, "concurrency": args.concurrency, "waves": args.waves,
+              "warmup": args.warmup, "connectors": tuple(c for c in args.connectors.split(",") if c)}
     if device:
         kwargs["device"] = device
     spec = PeerSpec(**kwargs).validate()
+    t0 = time.perf_counter()
     results = run(spec)
+    seconds = time.perf_counter() - t0
     print(plain_table(spec, results), flush=True)
     problems = same_requests(results)
-    return {**to_json(spec, results), "problems": problems}
+    print("same requests, block ids and bytes for every connector:", "yes" if not problems else "NO", flush=True)
+    for line in problems:
+        print("  " + line, flush=True)
+    figures = {**to_json(spec, results), "problems": problems, "seconds": round(seconds, 1)}
+    if getattr(args, "side_by_side_json", None):
+        Path(args.side_by_side_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.side_by_side_json).write_text(json.dumps(figures, indent=1, default=str))
+    if problems:
+        raise BenchError(f"{len(problems)} difference(s) between the connectors: {problems[0]}", where="side-by-side")
+    return figures
 
 
 def cpu_side_by_side(args, seconds: float, report: dict) -> dict:
@@ -509,7 +546,8 @@ def cpu_side_by_side(args, seconds: float, report: dict) -> dict:
 
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
     cmd = [sys.executable, __file__, "--vllm-src", args.vllm_src, "--child-side-by-side", "--preset", args.preset,
-           "--tokens", str(args.tokens), "--concurrency", str(args.concurrency)]
+           "--tokens", str(args.tokens), "--concurrency", str(args.concurrency), "--waves", str(args.waves),
+           "--warmup", str(args.warmup), "--connectors", args.connectors]
     if args.manifest:
         cmd += ["--manifest", args.manifest]
     t0 = time.perf_counter()
@@ -587,8 +625,7 @@ def child_main(args) -> int:
     """The CPU side-by-side in its own process (``--child-side-by-side``): one line of JSON at the end."""
     prober = _setup(args)
     ok, _, _ = prober.attempt("cpu model class", import_model_class)
-    ok, result, seconds = prober.attempt("cpu side-by-side", lambda: run_side_by_side(
-        args.preset, args.tokens, args.concurrency, None))
+    ok, result, seconds = prober.attempt("cpu side-by-side", lambda: run_side_by_side(args, None))
     new = [dataclasses.asdict(s) for s in prober.stubs if s.step.startswith("cpu ")]
     print("CHILD_RESULT " + json.dumps({"ok": ok, "seconds": round(seconds, 1), "figures": result,
                                         "new_stubs": new, "failures": prober.failures}, default=str), flush=True)
@@ -608,7 +645,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hide", default="", help="comma-separated packages made unimportable (local testing)")
     parser.add_argument("--preset", default="qwen3.5-0.8b")
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=8, help="requests per wave")
+    parser.add_argument("--waves", type=int, default=2, help="timed waves")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed waves first")
+    parser.add_argument("--connectors", default=DEFAULT_CONNECTORS, help="the side-by-side's, in this order")
+    parser.add_argument("--side-by-side-json", help="write the side-by-side's figures here")
+    parser.add_argument("--min-side-by-side-s", type=float, default=60.0,
+                        help="start the side-by-side only with this many seconds of the budget left")
     parser.add_argument("--cpu-side-by-side", action="store_true",
                         help="if vllm_peer is CPU-only, run the side-by-side on this host's CPU memory instead")
     parser.add_argument("--child-side-by-side", action="store_true", help=argparse.SUPPRESS)
@@ -631,7 +674,16 @@ def main(argv: list[str] | None = None) -> int:
         report["steps"][name] = {"ok": ok, "seconds": round(seconds, 2), "value": value}
         shown = f": {value}" if ok and len(str(value)) < 600 else (" (figures in the JSON)" if ok else "")
         print(f"== {name}: {'ok' if ok else 'BLOCKED'} in {seconds:.1f} s{shown}", flush=True)
+        write_report()  # after every step: a run cut short by its timeout still leaves what it found
         return ok, value
+
+    def write_report():
+        report["stubs"] = [dataclasses.asdict(s) for s in prober.stubs]
+        report["failures"] = prober.failures
+        report["seconds"] = round(time.monotonic() - start, 1)
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(report, indent=1, default=str))
 
     imported, _ = step("import vllm", lambda: importlib.import_module("vllm").__version__)
     if imported:
@@ -643,22 +695,27 @@ def main(argv: list[str] | None = None) -> int:
         step("NIXL through vLLM's wrapper", nixl_check)
         ok, support = step("vllm_peer device support", peer_device_support)
         if ok:
-            if support["device_argument"] and connector_ok:
-                step("side-by-side on cuda", lambda: run_side_by_side(args.preset, args.tokens, args.concurrency,
-                                                                      "cuda"))
-            elif not support["device_argument"]:
-                print("integrations/vllm_peer is CPU-only; the lines that fix the CPU:", flush=True)
-                for line in support["cpu_fixed_at"]:
-                    print("   ", line)
-                left = args.budget_s - (time.monotonic() - start)
+            gpu = bool(report["environment"].get("cuda_available"))
+            left = args.budget_s - (time.monotonic() - start)
+            if support["device_argument"] and gpu and connector_ok and left > args.min_side_by_side_s:
+                step("side-by-side on cuda", lambda: run_side_by_side(args, "cuda"))
+            elif support["device_argument"] and gpu:
+                why = "the NixlConnector did not import" if not connector_ok else f"{left:.0f} s of the budget left"
+                report["steps"]["side-by-side on cuda"] = {"ok": False, "skipped": why}
+                print(f"== side-by-side on cuda: skipped ({why})", flush=True)
+            else:
+                if not support["device_argument"]:
+                    print("integrations/vllm_peer is CPU-only; the lines that fix the CPU:", flush=True)
+                    for line in support["cpu_fixed_at"]:
+                        print("   ", line)
+                else:
+                    print("no GPU here (torch.cuda.is_available() is False): no side-by-side on cuda", flush=True)
                 if args.cpu_side_by_side and left > 45:
                     step("side-by-side on this host's CPU", lambda: cpu_side_by_side(args, left - 5, report))
                 elif args.cpu_side_by_side:
                     report["steps"]["side-by-side on this host's CPU"] = {"ok": False, "skipped": f"{left:.0f} s left"}
 
-    report["stubs"] = [dataclasses.asdict(s) for s in prober.stubs]
-    report["failures"] = prober.failures
-    report["seconds"] = round(time.monotonic() - start, 1)
+    write_report()
     print(f"\n{len(prober.stubs)} stub(s):")
     for kind in KINDS:
         for s in (s for s in prober.stubs if s.kind == kind):
@@ -668,9 +725,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  [{f['step']}] {f['error']}  at {f['where']}")
         for frame in f["vllm_frames"]:
             print(f"      from {frame}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1, default=str))
     return 0 if not prober.failures else 1
 
 

@@ -3,12 +3,16 @@
 # attempted"; docs/benchmarks.md#vllm-nixl). Run from the repo root on the device machine, with .gpu_carry/
 # (built here by scripts/gpu_carry.sh) carried instead of .whl/:
 #
-#   run(kind="nvidia-h200", timeout_s=200, carry=[".gpu_carry"], command="bash scripts/gpu_vllm_probe.sh")
+#   run(kind="nvidia-h200", timeout_s=300, carry=[".gpu_carry"], command="timeout 280 bash scripts/gpu_vllm_probe.sh")
 #
 # Installs the carried wheels into /tmp/site, unpacks vLLM's Python sources into /tmp/vsrc, then runs
-# benchmarks/vllm_gpu_probe.py (bounded by `timeout 170`): vLLM's import under logged stubs, the NixlConnector,
-# a NIXL GPU loopback READ through vLLM's wrapper, and (PROBE_CPU_SIDE_BY_SIDE=1, the default) the side-by-side
-# on the host's CPU memory if integrations/vllm_peer is CPU-only. The probe's JSON and log go to $OUT.
+# benchmarks/vllm_gpu_probe.py (bounded by `timeout`, to end $PROBE_DEADLINE_S = 265 s after this script started, inside
+# the device call's `timeout 280`): vLLM's import under logged
+# stubs, the NixlConnector, a NIXL GPU loopback READ through vLLM's wrapper, then the side-by-side with both
+# engines' caches on GPU 0 (qwen3.5-0.8b, 1,024 tokens, 8 requests per wave, 2 timed waves after 1 warm-up,
+# connectors vllm-nixl, hybrid, hybrid-post; each overridable below). VLLM_TARGET_DEVICE stays unset: vLLM's CUDA
+# platform. Without a GPU (PROBE_CPU_SIDE_BY_SIDE=1, the default) it runs on the host's CPU memory instead.
+# The probe's JSON and log, and the side-by-side's JSON, go to $OUT.
 set -u
 OUT=${OUT:-$PWD/out}
 CARRY=${CARRY:-.gpu_carry}
@@ -27,12 +31,18 @@ export UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE
 nvidia-smi -L
 cpu=()
 [ "${PROBE_CPU_SIDE_BY_SIDE:-1}" = 1 ] && cpu=(--cpu-side-by-side)
-echo "+ python3 benchmarks/vllm_gpu_probe.py --vllm-src /tmp/vsrc --manifest $CARRY/MANIFEST.json --budget-s 160" \
-    "--preset qwen3.5-0.8b --tokens 1024 --concurrency 4 ${cpu[*]} --json $OUT/probe.json"
+unset VLLM_TARGET_DEVICE
+export VLLM_SSM_CONV_STATE_LAYOUT=DS  # vLLM's NIXL reads a GDN conv state in 3 parts only in this layout (asserts)
+limit=$(( ${PROBE_DEADLINE_S:-265} - (SECONDS - t0) ))  # what the installs left
+budget=$(( limit - 90 ))  # no step starts later: the side-by-side keeps at least 90 s
+run=(python3 benchmarks/vllm_gpu_probe.py --vllm-src /tmp/vsrc --manifest "$CARRY/MANIFEST.json" --budget-s "$budget"
+     --min-side-by-side-s 0 --preset "${PROBE_PRESET:-qwen3.5-0.8b}" --tokens "${PROBE_TOKENS:-1024}"
+     --concurrency "${PROBE_CONCURRENCY:-8}" --waves "${PROBE_WAVES:-2}" --warmup "${PROBE_WARMUP:-1}"
+     --connectors "${PROBE_CONNECTORS:-vllm-nixl,hybrid,hybrid-post}" "${cpu[@]}"
+     --side-by-side-json "$OUT/side_by_side.json" --json "$OUT/probe.json")
+echo "+ timeout $limit ${run[*]}"
 set -o pipefail
-timeout 170 python3 benchmarks/vllm_gpu_probe.py --vllm-src /tmp/vsrc --manifest "$CARRY/MANIFEST.json" \
-    --budget-s 160 --preset qwen3.5-0.8b --tokens 1024 --concurrency 4 "${cpu[@]}" --json "$OUT/probe.json" 2>&1 \
-    | grep -v 'NIXL INFO' | tee "$OUT/probe.log"
+timeout "$limit" "${run[@]}" 2>&1 | grep -v 'NIXL INFO' | tee "$OUT/probe.log"
 rc=$?
 echo "+ probe exit code $rc after $((SECONDS - t0)) s"
 exit $rc
