@@ -70,7 +70,9 @@ def test_cited_docs_pages_and_anchors_exist():
         if not path.is_file():
             broken.append(f"{where}: docs/{page} does not exist")
             continue
-        anchors = cache.setdefault(page, page_anchors(path))
+        if page not in cache:  # each page rendered once, however often it is cited
+            cache[page] = page_anchors(path)
+        anchors = cache[page]
         if anchor is not None and anchor not in anchors:
             broken.append(f"{where}: docs/{page} has no anchor #{anchor}")
     assert not broken, "\n".join(broken)
