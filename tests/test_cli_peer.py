@@ -16,7 +16,7 @@ def test_without_vllm_one_line_names_the_vllm_environment_command(monkeypatch, c
     assert "needs vLLM 0.33" in err[0] and "scripts/vllm_env.sh" in err[0] and "--peer vllm-nixl" in err[0]
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--decode-tp", "2"), ("--device", "cuda"), ("--allocation", "vllm-pool"),
+@pytest.mark.parametrize(("flag", "value"), [("--decode-tp", "2"), ("--prefill-tp", "2"), ("--allocation", "vllm-pool"),
                                              ("--mode", "pack")])
 def test_options_the_peer_run_cannot_honour_are_named(monkeypatch, capsys, flag, value):
     monkeypatch.setattr(peer_run, "vllm_importable", lambda: True)  # refused before vLLM would be imported
@@ -44,3 +44,17 @@ def test_bench_options_map_onto_the_peer_run(monkeypatch, capsys):
     assert (spec.preset, spec.tokens, spec.concurrency, spec.waves, spec.warmup, spec.rounds, spec.num_threads,
             spec.seed) == ("qwen3.5-0.8b", 600, 4, 3, 2, 2, 3, 9)  # 10 requests in waves of 4: 3 waves
     assert "600 tokens, 4 requests per wave, 3 timed waves (+2 warm-up) x 2 round(s)" in capsys.readouterr().out
+
+
+def test_the_device_reaches_the_peer_run_and_an_unknown_one_is_refused(monkeypatch, capsys):
+    import hybrid_transfer.integrations.vllm_peer as peer
+    from hybrid_transfer.errors import ConfigError
+    from hybrid_transfer.integrations.vllm_peer import PeerSpec
+
+    seen = []
+    monkeypatch.setattr(peer_run, "vllm_importable", lambda: True)
+    monkeypatch.setattr(peer, "run_side_by_side", lambda spec: seen.append(spec) or [])
+    assert main(["bench", "--peer", "vllm-nixl", "--device", "cuda", "--concurrency", "2", "--requests", "2"]) == 0
+    assert [spec.device for spec in seen] == ["cuda"]
+    with pytest.raises(ConfigError, match="device 'tpu'"):
+        PeerSpec(device="tpu").validate()

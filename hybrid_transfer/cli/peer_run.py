@@ -20,7 +20,7 @@ VLLM_ENV_COMMAND = ("PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu VLLM_SSM_CONV_STATE_
 _D = BenchSpec()
 # Options whose non-default values the peer run cannot honour: (dest, default, why).
 _FIXED = (
-    ("prefill_tp", 1, "TP1 -> TP1 only"), ("decode_tp", 1, "TP1 -> TP1 only"), ("device", "cpu", "CPU DRAM only"),
+    ("prefill_tp", 1, "TP1 -> TP1 only"), ("decode_tp", 1, "TP1 -> TP1 only"),
     ("sweep", None, "no sweeps"), ("plot", None, "no plot"), ("allocation", _D.allocation, "vLLM's scheduler allocates"),
     ("transport", _D.transport, "the shell's UCX environment applies"),
     ("fragmentation", _D.fragmentation, "vLLM's scheduler allocates"),
@@ -51,7 +51,7 @@ def run_peer(args: argparse.Namespace) -> int:
     spec = PeerSpec(preset=args.preset, tokens=args.tokens, concurrency=concurrency,
                     waves=max(1, -(-args.requests // concurrency)), warmup=max(1, -(-args.warmup // concurrency)),
                     rounds=args.rounds,
-                    num_threads=args.backend_threads or 0, seed=args.seed).validate()
+                    num_threads=args.backend_threads or 0, seed=args.seed, device=args.device).validate()
     results = run_side_by_side(spec)
     print(plain_table(spec, results), file=table_stream(args))
     emit_json(args, to_json(spec, results))
