@@ -137,6 +137,9 @@ class Consumer(ProducerNotes):
         self.agent = NixlAgent(consumer_agent_name(self.engine_id, self.tp_rank, secrets.token_hex(4)), self.config,
                                device_memory=on_gpu, post_thread=self.config.uses_post_thread(on_gpu),
                                thread_init=_device_setter(cache.device) if on_gpu else None)
+        if on_gpu and self.agent.has_post_thread:  # docs/tuning.md#posting-thread: measured, not guessed
+            log.warning("consumer %s: post_thread on GPU caches moved 0.01 of the single-READ ceiling on an H200 "
+                        "(docs/tuning.md#posting-thread); leave it off unless measured here", self.agent.name)
         self._closed = False
         self._peers: Peers | None = None
         self._pack: PackReader | None = None
