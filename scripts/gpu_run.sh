@@ -36,7 +36,7 @@ bench() {  # name, args...
     echo "+ python3 -m hybrid_transfer bench --device cuda --verify $SWEEP $* --json $OUT/$name.json"
     # Only the JSON (and a plot where asked) goes to $OUT (the device tool brings back at most 8 files);
     # the summary and time-split tables go to stdout.
-    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n 32
+    ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n "${TAIL:-32}"
 }
 
 for stage in "$@"; do
@@ -91,14 +91,18 @@ for stage in "$@"; do
             SWEEP="--fragmentation 1 --sweep tokens --sweep-values ${LONG_TOKENS:-8192,32768,131072}" \
                 bench "long_397b_p2d8_sweep_tokens_$LONG_MODE" $LONG --prefill-tp 2 --decode-tp 8 --mode "$LONG_MODE" \
                 --plot "$OUT/long_397b_p2d8_sweep_tokens_$LONG_MODE.png" ;;
-        two-gpu)  # issue 13's two-H200 rows: prefill ranks on GPU 0, decode ranks on GPU 1, best mode per row
-            p1d1_mode=${TWO_P1D1_MODE:-coalesced}; p2d8_mode=${TWO_P2D8_MODE:-pack}
-            SWEEP="--fragmentation 1" bench "two_397b_p1d1_frag1_$p1d1_mode" $BIG --prefill-tp 1 --decode-tp 1 \
-                --mode "$p1d1_mode" --prefill-gpus 0 --decode-gpus 1
-            SWEEP="--fragmentation 1" bench "two_397b_p2d8_frag1_$p2d8_mode" $BIG --prefill-tp 2 --decode-tp 8 \
-                --mode "$p2d8_mode" --prefill-gpus 0 --decode-gpus 1
-            SWEEP="--fragmentation 0" bench "two_397b_p1d1_frag0_$p1d1_mode" $BIG --prefill-tp 1 --decode-tp 1 \
-                --mode "$p1d1_mode" --prefill-gpus 0 --decode-gpus 1 ;;
+        two-gpu)  # issue 22's two-H200 rows: prefill ranks on GPU 0, decode ranks on GPU 1, the step-batched path
+            # (16 requests per step), 3 rounds, verified, --wide for the time split per row. TWO_GPUS="0 1" by default;
+            # TWO_GPUS="0 0" runs the same rows on one H200 (issue 22 without the nvidia-h200-x2 kind).
+            set -- ${TWO_GPUS:-0 1}; pg=$1; dg=$2
+            STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --concurrency 16 --per-step 16 --rounds ${ROUNDS:-3}"
+            GPUS="--prefill-gpus $pg --decode-gpus $dg --wide"; TAIL=70
+            SWEEP="--sweep fragmentation --sweep-values 0,1" bench "two_p1d1_step16_auto_${pg}${dg}" $STEP16 --requests 32 \
+                --prefill-tp 1 --decode-tp 1 --mode auto $GPUS
+            SWEEP="--fragmentation 1" bench "two_p2d8_step16_auto_${pg}${dg}" $STEP16 --requests 16 --prefill-tp 2 \
+                --decode-tp 8 --mode auto $GPUS
+            SWEEP="" bench "two_p1d1_step16_vllm_pool_${pg}${dg}" $STEP16 --requests 32 --prefill-tp 1 --decode-tp 1 \
+                --mode auto --allocation vllm-pool $GPUS ;;
         issue20|issue20a|issue20b)  # issue 20's goal rows on one H200 (qwen3.5-397b-a17b, 8,192 tokens, 3 rounds, --verify)
             # issue20a: P1 -> D1 with 16 requests per step (auto, auto with the posting thread, pack; frag 0 and 1),
             # post->DONE at concurrency 1. issue20b: --allocation vllm-pool, P2 -> D8 frag 1 with pack and auto,

@@ -1,0 +1,58 @@
+"""One step's requests planned in one pass (``Planner.plan_many``) against each planned alone (``Planner.plan``).
+
+Not a test: run `python benchmarks/plan_many_speed.py [--preset P] [--tokens N] [--batch 16] [--repeats 50]`.
+P1 -> D1, auto mode, fragmented ids, every request of a step its own ids; a warm planner (the shape's
+recipe cached) for both; prints microseconds per request for each, the best of three passes.
+docs/lifecycle.md#batched-reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from hybrid_transfer.layout import CacheOptions, load_preset
+from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
+from hybrid_transfer.plan.types import PlanMode
+
+POOL = 4096
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="qwen3.5-397b-a17b")
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=16, help="requests per step")
+    parser.add_argument("--repeats", type=int, default=50, help="steps timed per pass")
+    args = parser.parse_args()
+    model = load_preset(args.preset)
+    producers = fake_engine(model, 1, CacheOptions(), POOL, 0)
+    consumers = fake_engine(model, 1, CacheOptions(), POOL, 1)
+    planner = Planner(model, consumers[0], producers)
+    rng = np.random.default_rng(0)
+    items = []
+    for _ in range(args.batch):
+        local = make_block_ids(blocks_needed(model, consumers[0].block_size, args.tokens), POOL, 1.0, rng)
+        remote = make_block_ids(blocks_needed(model, producers[0].block_size, args.tokens), POOL, 1.0, rng)
+        items.append(([np.asarray(g, dtype=np.int64) for g in local], remote, args.tokens))
+    alone, batched = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(args.repeats):
+            for local, remote, n in items:
+                planner.plan(local, remote, n, PlanMode.AUTO)
+        t1 = time.perf_counter()
+        for _ in range(args.repeats):
+            planner.plan_many(items, PlanMode.AUTO)
+        t2 = time.perf_counter()
+        alone.append((t1 - t0) / args.repeats / args.batch)
+        batched.append((t2 - t1) / args.repeats / args.batch)
+    print(f"{args.preset}, {args.tokens} tokens, P1 -> D1, {args.batch} requests per step: "
+          f"plan {1e6 * min(alone):.1f} us / request, plan_many {1e6 * min(batched):.1f} us / request")
+
+
+if __name__ == "__main__":
+    main()
