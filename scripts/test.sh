@@ -5,12 +5,22 @@
 # suite (tests/vllm) runs in the cached vLLM 0.33 environment of scripts/vllm_env.sh (created on
 # first use, a few minutes; reused after), with this checkout on PYTHONPATH. Extra arguments go to
 # the main suite's pytest. VLLM_SUITE=0 leaves the vLLM suite out, and says so.
+#
+# The main suite runs on TEST_WORKERS pytest-xdist worker processes (the test extra; default 2, the CI
+# host's cores): most of its time is spent waiting on the processes tests start (NIXL ranks, CLI runs),
+# which two workers overlap. Each worker starts its own engine-test cluster (tests/engine/conftest.py);
+# no test in the main suite binds a fixed port. TEST_WORKERS=0 runs it in this one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict  # broken links, anchors or docstrings fail
-.venv/bin/python -m pytest -q --ignore=tests/vllm "$@"
+workers=${TEST_WORKERS:-2}
+xdist=()
+if [ "$workers" != "0" ]; then
+    xdist=(-n "$workers" --dist load)
+fi
+.venv/bin/python -m pytest -q --ignore=tests/vllm ${xdist[@]+"${xdist[@]}"} "$@"
 
 if [ "${VLLM_SUITE:-1}" = "0" ]; then
     echo "test.sh: vLLM suite NOT run (VLLM_SUITE=0)" >&2
