@@ -435,9 +435,9 @@ class NixlAgent:
             xfer.cancelled = True
             return False
         if xfer.handle is not None:
-            if self._poster is not None and not self._guard.acquire(blocking=False):
-                return False  # the posting thread is mid-post: freed at a later call, never waited for
-            try:
+            with self._locked(wait=False) as locked:
+                if not locked:
+                    return False  # the posting thread is mid-post: freed at a later call, never waited for
                 try:
                     self._agent.release_xfer_handle(xfer.handle)
                 except self._errors as exc:
@@ -449,9 +449,6 @@ class NixlAgent:
                     except self._errors as exc:
                         log.warning("agent %s: releasing a descriptor list on %s failed: %s", self.name, xfer.peer,
                                     exc)
-            finally:
-                if self._poster is not None:
-                    self._guard.release()
         self._live.discard(xfer)
         xfer.state = XferState.RELEASED
         xfer._dlists = ()
@@ -497,7 +494,7 @@ class NixlAgent:
                 self.remove_remote(peer)
             except EngineError as exc:
                 log.warning("%s", exc)
-        with self._guard:
+        with self._locked():
             for descs in self._more_descs:
                 try:
                     self._agent.deregister_memory(descs)
@@ -518,16 +515,29 @@ class NixlAgent:
         the lock (mid-post), yield False at once and call nothing: a poll never waits for a post."""
         if self._closed:
             raise EngineError("the agent is closed", operation=operation, agent=self.name, peer=peer)
-        if self._poster is not None and not self._guard.acquire(blocking=wait):
+        with self._locked(wait) as locked:
+            if not locked:
+                yield False
+                return
+            try:
+                yield True
+            except EngineError:
+                raise
+            except self._errors as exc:
+                cls = PeerDisconnectedError if type(exc).__name__ == "nixlRemoteDisconnectError" else EngineError
+                raise cls(f"{type(exc).__name__}: {exc}", operation=operation, agent=self.name, peer=peer) from exc
+
+    @contextmanager
+    def _locked(self, wait: bool = True):
+        """The agent's lock (only with a posting thread; without one a single thread calls NIXL): True once
+        held; with ``wait=False``, False at once while the posting thread holds it."""
+        if self._poster is None:
+            yield True
+            return
+        if not self._guard.acquire(blocking=wait):
             yield False
             return
         try:
             yield True
-        except EngineError:
-            raise
-        except self._errors as exc:
-            cls = PeerDisconnectedError if type(exc).__name__ == "nixlRemoteDisconnectError" else EngineError
-            raise cls(f"{type(exc).__name__}: {exc}", operation=operation, agent=self.name, peer=peer) from exc
         finally:
-            if self._poster is not None:
-                self._guard.release()
+            self._guard.release()

@@ -201,9 +201,7 @@ class Planner:
                 ByteCountError).
         """
         mode = PlanMode(mode)
-        if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-            raise PlanError(f"num_tokens={num_tokens!r} must be a non-negative integer", num_tokens=num_tokens)
-        num_tokens = int(num_tokens)
+        num_tokens = _token_count(num_tokens)
         num_groups = len(self._kinds)
         local_ids = block_id_arrays("local", local_block_ids, num_groups)
         remote_ids = block_id_arrays("remote", remote_block_ids, num_groups)
@@ -233,18 +231,19 @@ class Planner:
             except PlanError as exc:
                 return [exc]
         out: list[ReadPlan | PlanError | None] = [None] * len(items)
-        ok, lo, ro, fl, fr, counts = [], [], [], [], [], []
+        ok, lo, ro, counts = [], [], [], []  # the requests whose ids convert: index, local, remote, token count
         for i, (local, remote, n) in enumerate(items):
             try:
-                if not isinstance(n, (int, np.integer)) or n < 0:
-                    raise PlanError(f"num_tokens={n!r} must be a non-negative integer", num_tokens=n)
-                li = block_id_arrays("local", local, len(self._kinds))
-                ri = block_id_arrays("remote", remote, len(self._kinds))
+                parsed = (_token_count(n), block_id_arrays("local", local, len(self._kinds)),
+                          block_id_arrays("remote", remote, len(self._kinds)))
             except PlanError as exc:
                 out[i] = exc
                 continue
-            ok.append(i), lo.append(li), ro.append(ri), fl.append(_flat(li)), fr.append(_flat(ri))
-            counts.append(int(n))
+            ok.append(i)
+            counts.append(parsed[0])
+            lo.append(parsed[1])
+            ro.append(parsed[2])
+        fl, fr = [_flat(ids) for ids in lo], [_flat(ids) for ids in ro]
         bad_l = check_ids("local", lo, fl, counts, self._kinds, self.local.block_size, self.local_desc.num_blocks,
                           exact=False)
         bad_r = check_ids("remote", ro, fr, counts, self._kinds, self.remote.block_size, self._remote_num_blocks,
@@ -412,6 +411,13 @@ class Planner:
             else:
                 out.append(direct)
         return tuple(out)
+
+
+def _token_count(num_tokens: object) -> int:
+    """A request's token count as an int; a PlanError naming it when it is not a non-negative integer."""
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise PlanError(f"num_tokens={num_tokens!r} must be a non-negative integer", num_tokens=num_tokens)
+    return int(num_tokens)
 
 
 def _flat(ids: list[np.ndarray]) -> np.ndarray:

@@ -119,20 +119,15 @@ class RegionTable:
         idx = np.searchsorted(self.starts, addr, side="right") - 1
         return (self.ends[idx] - addr >= length) & (length > 0)
 
-    def check(self, side: str, addr: np.ndarray, length: np.ndarray, *, lengths_checked: bool = False) -> None:
-        """Every [addr, addr+length) lies inside one region and is non-empty.
-
-        ``lengths_checked``: the caller already knows every length is positive (one column serves both sides).
+    def check(self, side: str, addr: np.ndarray, length: np.ndarray) -> None:
+        """Every [addr, addr+length) lies inside one region and is non-empty (``contains``, with the error).
 
         Raises:
             RangeError: naming the first offending range.
         """
-        if addr.shape[0] == 0:
-            return
-        idx = np.searchsorted(self.starts, addr, side="right") - 1
-        room = self.ends[idx] - addr
-        if not ((room >= length).all() and (lengths_checked or length.min() > 0)):
-            i = int(np.flatnonzero((room < length) | (length <= 0))[0])
+        ok = self.contains(addr, length)
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
             raise RangeError(side=side, addr=int(addr[i]), length=int(length[i]))
 
 
@@ -161,9 +156,8 @@ def validate_plan(plan: ReadPlan, local_regions: RegionTable, remote_regions: Ma
         addr = np.concatenate([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
         length = np.concatenate([r[3] for r in rows]) if len(rows) > 1 else rows[0][3]
         local_regions.check("local", addr, length)
-        # One length column serves both sides, so positive lengths are checked once, above.
         for rank, _, remote, ln in rows:
-            remote_regions[rank].check(f"remote rank {rank}", remote, ln, lengths_checked=True)
+            remote_regions[rank].check(f"remote rank {rank}", remote, ln)
         order = addr.argsort(kind="stable")
         a, ln = addr[order], length[order]
         bad = (a[1:] < a[:-1] + ln[:-1]).nonzero()[0]

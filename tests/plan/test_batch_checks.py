@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_batch_plan import step
 from test_recipe_tail import assert_same
 
 from hybrid_transfer.errors import PlanError
@@ -64,22 +65,12 @@ def _outcome(planner: Planner, local, remote, n, mode):
                          min_size=1, max_size=6),
        seed=st.integers(0, 2**16))
 def test_plan_many_gives_each_request_what_plan_gives_it_alone(topology, layout, mode, requests, seed):
-    preset, p, d = topology
-    model = load_preset(preset)
-    options = CacheOptions(kv_layout=layout)
-    producers = fake_engine(model, p, options, POOL, 0)
-    consumers = fake_engine(model, d, options, POOL, 1)
-    rank = seed % d
-    rng = np.random.default_rng(seed)
-    items = []
-    for n, fragmentation, defect in requests:
-        local = make_block_ids(blocks_needed(model, consumers[rank].block_size, n), POOL, fragmentation, rng)
-        remote = make_block_ids(blocks_needed(model, producers[0].block_size, n), POOL, fragmentation, rng)
-        items.append(_corrupt(defect, local, remote, n))
-    got = Planner(model, consumers[rank], producers).plan_many(items, mode)
+    model, consumer, producers, clean = step(topology, layout, [(n, f) for n, f, _ in requests], seed, POOL)
+    items = [_corrupt(defect, *item) for (_, _, defect), item in zip(requests, clean, strict=True)]
+    got = Planner(model, consumer, producers).plan_many(items, mode)
     assert len(got) == len(items)
     for item, (_, _, defect), out in zip(items, requests, got, strict=True):
-        alone = _outcome(Planner(model, consumers[rank], producers), *item, mode)
+        alone = _outcome(Planner(model, consumer, producers), *item, mode)
         if isinstance(alone, PlanError):
             assert type(out) is type(alone) and str(out) == str(alone), (defect, out, alone)
         else:

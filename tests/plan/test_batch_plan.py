@@ -25,6 +25,23 @@ COSTS = [None, CostModel(per_descriptor_s=1.0)]  # auto: the planner's own model
 POOL = 512
 
 
+def step(topology, layout, requests, seed: int, pool: int):
+    """One decode rank of a (preset, P, D) pair and a step's (local ids, remote ids, num_tokens) per
+    (num_tokens, fragmentation) of ``requests``; returns (model, the rank's descriptor, producers, items)."""
+    preset, p, d = topology
+    model = load_preset(preset)
+    options = CacheOptions(kv_layout=layout)
+    producers = fake_engine(model, p, options, pool, 0)
+    consumer = fake_engine(model, d, options, pool, 1)[seed % d]
+    rng = np.random.default_rng(seed)
+    items = []
+    for n, fragmentation in requests:
+        local = make_block_ids(blocks_needed(model, consumer.block_size, n), pool, fragmentation, rng)
+        remote = make_block_ids(blocks_needed(model, producers[0].block_size, n), pool, fragmentation, rng)
+        items.append((local, remote, n))
+    return model, consumer, producers, items
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topology=st.sampled_from(TOPOLOGIES), layout=st.sampled_from(list(KVLayout)),
        mode=st.sampled_from(list(PlanMode)), cost=st.sampled_from(COSTS),
@@ -32,20 +49,9 @@ POOL = 512
        seed=st.integers(0, 2**16))
 def test_the_batched_plan_is_the_concatenation_of_the_per_request_plans(topology, layout, mode, cost, requests,
                                                                          seed):
-    preset, p, d = topology
-    model = load_preset(preset)
-    options = CacheOptions(kv_layout=layout)
-    producers = fake_engine(model, p, options, POOL, 0)
-    consumers = fake_engine(model, d, options, POOL, 1)
-    rank = seed % d
-    rng = np.random.default_rng(seed)
-    items = []
-    for n, fragmentation in requests:
-        local = make_block_ids(blocks_needed(model, consumers[rank].block_size, n), POOL, fragmentation, rng)
-        remote = make_block_ids(blocks_needed(model, producers[0].block_size, n), POOL, fragmentation, rng)
-        items.append((local, remote, n))
-    batch = plan_batch(Planner(model, consumers[rank], producers), items, mode, cost)
-    alone = [Planner(model, consumers[rank], producers).plan(local, remote, n, mode, cost=cost)
+    model, consumer, producers, items = step(topology, layout, requests, seed, POOL)
+    batch = plan_batch(Planner(model, consumer, producers), items, mode, cost)
+    alone = [Planner(model, consumer, producers).plan(local, remote, n, mode, cost=cost)
              for local, remote, n in items]
     assert_same(batch.plans, tuple(alone), "plans")
     assert_same(batch_plans(alone), batch, "batch of the requests planned alone")
