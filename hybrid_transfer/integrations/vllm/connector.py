@@ -20,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from hybrid_transfer.engine.auth import load_secret
@@ -31,6 +32,7 @@ from hybrid_transfer.integrations.vllm.geometry import REQUIRED_LAYOUT, model_of
 from hybrid_transfer.integrations.vllm.groups import GroupMap
 from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata
 from hybrid_transfer.integrations.vllm.scheduler import SchedulerSide
+from hybrid_transfer.integrations.vllm.stats import HybridKVConnectorStats, HybridPromMetrics
 from hybrid_transfer.integrations.vllm.worker import WorkerSide
 from hybrid_transfer.layout.tensor_map import build_tensor_map
 
@@ -146,6 +148,10 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         """Always empty: vLLM 0.33 refuses block-level errors for hybrids; failures go by request."""
         return set()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This rank's transfers since the last step (stats.py); None on the scheduler side or when nothing happened."""
+        return self._worker.stats() if self._worker is not None else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -188,6 +194,17 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         cards = {rank: decode_rank_card(meta.card) for rank, meta in metadata.items() if isinstance(meta, HandshakeCard)}
         if cards:  # a decode-only engine's workers publish none
             self._scheduler.set_card(EngineCard.from_ranks(cards))
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        """vLLM's front end rebuilds each step's stats from their plain ``data`` (docs/metrics.md#vllm)."""
+        return HybridKVConnectorStats(data=data or {})
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        """The connector's series on vLLM's /metrics (docs/metrics.md#vllm)."""
+        return HybridPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -36,6 +36,7 @@ from hybrid_transfer.errors import HybridTransferError, TicketError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.geometry import EngineCache
 from hybrid_transfer.integrations.vllm.metadata import FailOrder, HandshakeCard, HybridConnectorMetadata, ReadOrder
+from hybrid_transfer.integrations.vllm.stats import HybridKVConnectorStats, ReadTally
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,7 @@ class WorkerSide:
         # declines_refused (a ticket not trusted with a decline: a bad MAC, a producer not allowed)
         self.counts: Counter[str] = Counter()
         self._log = LogGate(log, time.monotonic)
+        self.tally = ReadTally(self.tp_rank)  # what vLLM's stats path takes after each step (stats.py)
 
     @property
     def consumer(self) -> Consumer:
@@ -196,6 +198,7 @@ class WorkerSide:
                           type(exc).__name__, str(exc)[:200])
                 results = []
             for result in results:
+                self.tally.on_read(result)
                 entry = self._reads.pop(result.request_id, None)
                 if entry is None:
                     continue
@@ -256,6 +259,15 @@ class WorkerSide:
             for block in order.local_block_ids[group_index]:
                 for layer in g.tensor_map.groups[group_index].layers:
                     self.engine.attention_views[layer][block * ratio: (block + 1) * ratio].zero_()
+
+    def stats(self) -> HybridKVConnectorStats | None:
+        """This rank's transfers since the last call (vLLM's get_kv_connector_stats); None when none; never raises."""
+        try:
+            return self.tally.take(self.counts, self.producer)
+        except Exception as exc:  # noqa: BLE001 - stats must not fail the step (module docstring)
+            self._log.warning(f"stats failed: {type(exc).__name__}", "hybrid-transfer: rank %d: stats failed: %s",
+                              self.tp_rank, str(exc)[:200])
+            return None
 
     def close(self) -> None:
         for engine in (self._consumer, self.producer):
