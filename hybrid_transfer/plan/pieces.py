@@ -10,7 +10,7 @@ block and kernel block sizes (never the other side's ratio).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -136,7 +136,9 @@ class Recipe:
             return self
         length = self.length.copy()
         length[self.tail] = head_bytes
-        return replace(self, length=length)
+        # The constructor, not dataclasses.replace, which walks the fields: 1.3 us against 2.3, every request.
+        return Recipe(self.local_sel, self.local_const, self.remote_sel, self.remote_const, length, self.key,
+                      self.tail)
 
     def pieces(self, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int, remote_page: int) -> Pieces:
         """This shape's pieces for one request's flat block-id arrays."""

@@ -128,6 +128,7 @@ class Planner:
         self._remote_page = self.remote.page_bytes
         self._kv_bytes_per_token = self.local.kv_bytes_per_token * len(model.attention_layers)
         self._state_bytes = self.local.state_bytes_per_request
+        self._kv_stride = self.local.kv_token_stride  # a geometry property, computed on every read
 
     # ---- construction checks -------------------------------------------------
     def _check_remotes(self, decode_tp: int) -> int:
@@ -292,7 +293,7 @@ class Planner:
             rec = self._recipes[key] = recipe(self._frame(token_end), self._kv, self._state, self._attn_groups,
                                               self._gdn_groups, local_lens, remote_lens, naive)
             return rec
-        return rec.with_tail((token_end - cut) * self.local.kv_token_stride)
+        return rec.with_tail((token_end - cut) * self._kv_stride)
 
     def _pack(self, rec: Recipe, index: int, num_tokens: int, local_lens: tuple[int, ...],
               remote_lens: tuple[int, ...]) -> PackRecipe | None:
@@ -302,7 +303,7 @@ class Planner:
         Keyed like the direct Recipe, on the segment structure (``structure_recipe``); a structure whose
         arrays do not follow the count by whole bytes per token is keyed on the exact count instead."""
         cut = last_cut(num_tokens, self.local, self.remote)
-        tpl, stride = self.templates[index], self.local.kv_token_stride
+        tpl, stride = self.templates[index], self._kv_stride
 
         def build(n: int) -> PackRecipe:
             return pack_recipe(rec.with_tail((n - cut) * stride), index, tpl, self._local_base, self._local_page,

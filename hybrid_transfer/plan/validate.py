@@ -111,13 +111,54 @@ class RegionTable:
         lowest = np.iinfo(np.int64).min
         self.starts = np.concatenate(([lowest], starts[order]))
         self.ends = np.concatenate(([lowest], starts[order] + lens[order]))
+        # ends[i - 1] at i: indexed by searchsorted(starts, side="right") without subtracting 1.
+        self._ends_right = np.concatenate(([lowest], self.ends))
 
     def contains(self, addr: np.ndarray, length: np.ndarray) -> np.ndarray:
         """A bool per range: non-empty and inside one region (``check`` without the error)."""
         if addr.shape[0] == 0:
             return np.ones(0, dtype=bool)
         idx = np.searchsorted(self.starts, addr, side="right") - 1
-        return (self.ends[idx] - addr >= length) & (length > 0)
+        # Ends compared, not ``ends[idx] - addr``: that wraps for the sentinel (int64 min minus an address), which
+        # let a range below the lowest region pass. ``end > addr``: non-empty, and no wrap past int64 max.
+        end = addr + length
+        return (end <= self.ends[idx]) & (end > addr)
+
+    def holds(self, addr: np.ndarray, end: np.ndarray) -> bool:
+        """``contains(addr, end - addr).all()`` in fewer passes (``end``: each range's end, computed by the caller).
+
+        A plan's rows are tensor-major, a run per tensor: split into as many equal runs as there are regions,
+        a run lies in one region when its lowest start's region holds its highest end (one min and one max
+        per run: 12 us for 4,905 rows, against 30 for a search per row). Rows in any other order take the
+        search per row; either way the answer is exact.
+        """
+        n, k = addr.shape[0], self.starts.shape[0] - 1
+        if n == 0:
+            return True
+        if not (end > addr).all():
+            return False
+        if k and n % k == 0:
+            lo = addr.reshape(k, n // k).min(axis=1)
+            hi = end.reshape(k, n // k).max(axis=1)
+            if (hi <= self._ends_right[np.searchsorted(self.starts, lo, side="right")]).all():
+                return True
+        return bool((end <= self._ends_right[np.searchsorted(self.starts, addr, side="right")]).all())
+
+    def holds_ascending(self, addr: np.ndarray, end: np.ndarray) -> bool:
+        """``holds`` for ranges ascending by start that do not overlap (``addr[i + 1] >= end[i]``, every range
+        non-empty: the caller checked). One search per region instead of one per range: a region's ranges are
+        a run, and the run's last end is its largest."""
+        n = addr.shape[0]
+        if n == 0:
+            return True
+        first = np.searchsorted(addr, self.starts[1:], side="left")  # each region's first range
+        if not first.shape[0] or first[0]:
+            return False  # ranges below the lowest region
+        stop = np.empty_like(first)
+        stop[:-1] = first[1:]
+        stop[-1] = n
+        used = first < stop
+        return bool((end[stop[used] - 1] <= self.ends[1:][used]).all())
 
     def check(self, side: str, addr: np.ndarray, length: np.ndarray) -> None:
         """Every [addr, addr+length) lies inside one region and is non-empty (``contains``, with the error).
@@ -155,15 +196,50 @@ def validate_plan(plan: ReadPlan, local_regions: RegionTable, remote_regions: Ma
     if rows:
         addr = np.concatenate([r[1] for r in rows]) if len(rows) > 1 else rows[0][1]
         length = np.concatenate([r[3] for r in rows]) if len(rows) > 1 else rows[0][3]
-        local_regions.check("local", addr, length)
-        for rank, _, remote, ln in rows:
-            remote_regions[rank].check(f"remote rank {rank}", remote, ln)
-        order = addr.argsort(kind="stable")
-        a, ln = addr[order], length[order]
-        bad = (a[1:] < a[:-1] + ln[:-1]).nonzero()[0]
-        if bad.shape[0]:
-            i = int(bad[0])
-            raise OverlapError(first=(int(a[i]), int(ln[i])), second=(int(a[i + 1]), int(ln[i + 1])))
+        if not _plan_holds(rows, addr, length, local_regions, remote_regions):
+            _raise_bad_rows(rows, addr, length, local_regions, remote_regions)
         total = int(length.sum())
     if not total == plan.expected_bytes:
         raise ByteCountError(local_bytes=total, remote_bytes=total, expected_bytes=plan.expected_bytes)
+
+
+def _plan_holds(rows: list[tuple], addr: np.ndarray, length: np.ndarray, local_regions: RegionTable,
+                remote_regions: Mapping[int, RegionTable]) -> bool:
+    """Every row non-empty and inside a region on both sides, no two destinations overlapping: the checks of
+    ``_raise_bad_rows`` as one yes or no, in a third of its passes over the rows (a 131,072-token P2 -> D8 plan
+    has 4,905 rows; per pass about 2 us on the shared CPU host, and the checks were 40% of the plan's time)."""
+    end = addr + length
+    if not (end > addr).all():
+        return False
+    # Rows come ascending by local address (the planner sorts them for the merge) unless several sources
+    # interleave; ascending and non-overlapping is one compare, and lets the region check search per region.
+    if not (addr[1:] >= end[:-1]).all():
+        order = addr.argsort(kind="stable")
+        addr, end = addr[order], end[order]
+        if not (addr[1:] >= end[:-1]).all():
+            return False
+    if not local_regions.holds_ascending(addr, end):
+        return False
+    for rank, _, remote, ln in rows:
+        if not remote_regions[rank].holds(remote, remote + ln):
+            return False
+    return True
+
+
+def _raise_bad_rows(rows: list[tuple], addr: np.ndarray, length: np.ndarray, local_regions: RegionTable,
+                    remote_regions: Mapping[int, RegionTable]) -> None:
+    """The first failing check's error, naming its range (``_plan_holds`` only says that one fails).
+
+    Raises:
+        RangeError: a range outside the registered regions (local side first).
+        OverlapError: two destination ranges overlap.
+    """
+    local_regions.check("local", addr, length)
+    for rank, _, remote, ln in rows:
+        remote_regions[rank].check(f"remote rank {rank}", remote, ln)
+    order = addr.argsort(kind="stable")
+    a, ln = addr[order], length[order]
+    bad = (a[1:] < a[:-1] + ln[:-1]).nonzero()[0]
+    if bad.shape[0]:
+        i = int(bad[0])
+        raise OverlapError(first=(int(a[i]), int(ln[i])), second=(int(a[i + 1]), int(ln[i + 1])))

@@ -6,6 +6,8 @@ import dataclasses
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybrid_transfer.errors import (
     BlockCountError,
@@ -239,3 +241,74 @@ def test_a_dtype_left_to_the_model_equals_the_same_dtype_named():
     _, remote = _tiny_descriptor(1, 0, conv_dtype=model.dtype.value)
     assert local.conv_dtype == "" or local.conv_dtype == remote.conv_dtype
     Planner(model, local, [remote])  # the resolved dtypes are equal: no refusal
+
+
+def test_a_range_below_the_lowest_region_is_refused():
+    """The sentinel below the lowest region holds nothing (``ends[idx] - addr`` wrapped there and let it pass)."""
+    table = RegionTable([1000, 5000], 100)
+    addr = np.array([1, 990, 1000, 1050, 4000, 5099], dtype=np.int64)
+    length = np.array([10, 20, 100, 100, 10, 1], dtype=np.int64)
+    np.testing.assert_array_equal(table.contains(addr, length), [False, False, True, False, False, True])
+    with pytest.raises(RangeError) as info:
+        table.check("local", addr[:1], length[:1])
+    assert (info.value.addr, info.value.length) == (1, 10)
+    assert not table.holds(addr[:1], addr[:1] + length[:1])
+    assert not table.holds_ascending(addr[:1], addr[:1] + length[:1])
+
+
+def _oracle(starts, lens, addr, length) -> bool:
+    """Every range non-empty and inside one region, region by region in Python."""
+    return all(n > 0 and any(s <= a and a + n <= s + ln for s, ln in zip(starts, lens, strict=True))
+               for a, n in zip(addr, length, strict=True))
+
+
+@settings(max_examples=300, deadline=None)
+@given(regions=st.lists(st.tuples(st.integers(0, 6), st.integers(1, 12)), min_size=1, max_size=6),
+       rows=st.lists(st.tuples(st.integers(-5, 80), st.integers(-1, 14)), min_size=1, max_size=24),
+       tensor_major=st.booleans(), order=st.randoms(use_true_random=False))
+def test_holds_and_holds_ascending_agree_with_contains_and_an_oracle(regions, rows, tensor_major, order):
+    """``holds`` (equal runs, then per row) and ``holds_ascending`` (per region) answer ``contains(...).all()``.
+
+    Regions are disjoint, as registered memory is, and listed in any order."""
+    starts, lens, end = [], [], 0
+    for gap, n in regions:
+        starts.append(end + gap * 8)
+        lens.append(n * 8)
+        end = starts[-1] + lens[-1]
+    pairs = list(zip(starts, lens, strict=True))
+    order.shuffle(pairs)
+    starts, lens = [s for s, _ in pairs], [n for _, n in pairs]
+    table = RegionTable(starts, lens)
+    addr = np.array([a * 4 for a, _ in rows], dtype=np.int64)
+    length = np.array([n * 4 for _, n in rows], dtype=np.int64)
+    if tensor_major:  # one run per region, each run's rows inside it but for what the draw moves out
+        k = len(regions)
+        addr = np.repeat(np.array(starts, dtype=np.int64), len(rows)) + np.tile(addr, k)
+        length = np.tile(length, k)
+    want = _oracle(starts, lens, addr.tolist(), length.tolist())
+    assert bool(table.contains(addr, length).all()) == want
+    assert table.holds(addr, addr + length) == want
+    order = np.argsort(addr, kind="stable")
+    a, e = addr[order], (addr + length)[order]
+    if (e > a).all() and (a[1:] >= e[:-1]).all():  # holds_ascending's precondition
+        assert table.holds_ascending(a, e) == want
+
+
+def test_rows_in_any_order_are_checked_alike(planner):
+    """The fast checks assume no order: shuffled rows pass, and a range moved out is refused in any order."""
+    plan = planner.plan(*good(), N)
+    local_t, remote_t = tables(planner)
+    src = plan.sources[0]
+    perm = np.random.default_rng(3).permutation(src.length.shape[0])
+    shuffled = dataclasses.replace(plan, sources=(SourcePlan(src.source_rank, src.local_addr[perm],
+                                                             src.remote_addr[perm], src.length[perm]),))
+    validate_plan(shuffled, local_t, remote_t)
+    low = int(local_t.starts[1]) // 2  # below the lowest local region, still positive
+    with pytest.raises(RangeError) as info:
+        validate_plan(tampered(shuffled, local_addr=lambda a: np.where(a == a.max(), low, a)), local_t, remote_t)
+    assert info.value.addr == low
+    with pytest.raises(RangeError) as info:
+        top = int(remote_t[src.source_rank].ends.max())  # just past the highest remote region
+        validate_plan(tampered(shuffled, remote_addr=lambda a: np.where(np.arange(a.shape[0]) == 3, top, a)),
+                      local_t, remote_t)
+    assert info.value.side.startswith("remote rank")
