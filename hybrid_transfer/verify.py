@@ -362,7 +362,8 @@ def expected_destination_many(cache_like: HybridCache, requests: Sequence[tuple[
                               poison_byte: int = POISON_BYTE) -> list[torch.Tensor]:
     """Raw bytes of every shared tensor of a consumer rank after correct transfers of (request, seed) pairs.
 
-    Poison everywhere except, per request, valid tokens (t < num_tokens) at this rank's KV heads and,
+    Poison everywhere except, per request, valid tokens (t < num_tokens; on an interior that is not
+    token-major, every token of a kernel page holding one: docs/attention-layouts.md) at this rank's KV heads and,
     when num_tokens > 0, the state at this rank's conv channels and value heads. Padding stays poison.
     """
     g = cache_like.geometry
@@ -374,8 +375,8 @@ def expected_destination_many(cache_like: HybridCache, requests: Sequence[tuple[
     for request, seed in requests:
         for group, ids in zip(g.tensor_map.groups, request.block_ids, strict=True):
             for layer in group.layers:
-                if group.kind is LayerKind.ATTENTION:
-                    _write_attention(clone, layer, ids, request.num_tokens, seed, poison_byte)
+                if group.kind is LayerKind.ATTENTION:  # a partial kernel page of an opaque interior moves whole
+                    _write_attention(clone, layer, ids, g.moved_token_end(request.num_tokens), seed, poison_byte)
                 elif request.num_tokens > 0:
                     _write_state(clone, layer, ids[0], seed, poison_byte)
     return clone.tensors

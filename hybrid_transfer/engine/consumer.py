@@ -641,7 +641,8 @@ class Consumer(ProducerNotes):
         The bytes moved are checked against what the layout says the request needs (engine/metrics.py):
         a difference fails the request (cause byte_count), it is never reported DONE.
         """
-        needed = self._expected_bytes(req.ticket.num_tokens)
+        # A partial kernel page of an interior that is not token-major moves whole (docs/attention-layouts.md).
+        needed = self._expected_bytes(self.geometry.moved_token_end(req.ticket.num_tokens))
         fields = self._pack.result_fields(req.request_id)
         if not metrics.bytes_agree(self.config.mode, req.num_bytes, needed, bool(fields.get("num_packed_sources"))):
             self._recorder.byte_mismatches += 1

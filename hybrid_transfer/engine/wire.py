@@ -42,6 +42,10 @@ Version log:
      Completions (one per producer agent per poll: request, nonce, expected consumers, kind), new kinds
      15-17, each list at most MAX_BATCH entries. The single Claim, ClaimReply and Completion stay
      (``read_batching="per_request"`` and claims kept for a later hold are answered one by one).
+  9: page interiors (issue 26): RankDescriptor.kv_interior and Fingerprint.kv_interior, last and
+     defaulted ("token-major"): the attention kernel's order inside a kernel page. A kernel page of an
+     interior that is not token-major moves whole, and a pair whose interiors differ is refused at the
+     handshake (docs/attention-layouts.md#page-interiors).
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -61,7 +65,7 @@ from hybrid_transfer.errors import WireDecodeError, echo
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name

@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from hybrid_transfer.errors import ConfigError, EngineSpecMismatch
-from hybrid_transfer.layout.geometry import CacheOptions, ConvLayout, KVLayout, RankGeometry, SsmOrder
+from hybrid_transfer.layout.geometry import TOKEN_MAJOR, CacheOptions, ConvLayout, KVLayout, RankGeometry, SsmOrder
 from hybrid_transfer.layout.model import DType, LayerKind, ModelSpec
 from hybrid_transfer.layout.tensor_map import TensorMap, build_tensor_map
 
@@ -103,6 +103,7 @@ class EngineRankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: KVLayout
     conv_layout: ConvLayout = ConvLayout.DS
     ssm_order: SsmOrder = SsmOrder.V_D_K
+    kv_interior: str = TOKEN_MAJOR  # the attention kernel's page interior (docs/attention-layouts.md#page-interiors)
 
     def __post_init__(self) -> None:
         _enum(self, "kv_layout", KVLayout)
@@ -138,7 +139,7 @@ def geometry_from_engine_spec(model: ModelSpec, tp_size: int, tp_rank: int, spec
         kv_dtype=attn.dtype, ssm_dtype=state.ssm_dtype if state is not None else None,
         conv_dtype=state.conv_dtype if state is not None else None,
         block_size=attn.block_size, kernel_block_size=attn.kernel_block_size, conv_layout=spec.conv_layout,
-        ssm_order=spec.ssm_order, kv_layout=spec.kv_layout,
+        ssm_order=spec.ssm_order, kv_layout=spec.kv_layout, kv_interior=spec.kv_interior,
     )
     differences: list[tuple[str, Any, Any]] = []  # (field, engine, registry)
     # Sharding is checked on a geometry with default block sizes, so a bad block size is reported

@@ -11,7 +11,7 @@ from typing import Any
 
 import msgspec
 
-from hybrid_transfer.layout.geometry import RankGeometry
+from hybrid_transfer.layout.geometry import TOKEN_MAJOR, RankGeometry
 
 
 class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -33,6 +33,7 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssm_order: str
     n_minus_one: bool
     layer_tensor: tuple[int, ...]
+    kv_interior: str = TOKEN_MAJOR  # protocol 9: kernel pages of another interior mean other bytes per token
 
     def digest(self) -> str:
         """A short stable hash, for logs and the handshake envelope."""
@@ -58,6 +59,7 @@ def fingerprint_of(geometry: RankGeometry, *, n_minus_one: bool = True) -> Finge
         ssm_order=geometry.ssm_order.value,
         n_minus_one=n_minus_one,
         layer_tensor=geometry.tensor_map.layer_tensor,
+        kv_interior=geometry.kv_interior,
     )
 
 

@@ -53,6 +53,23 @@ class ConvSegment(enum.IntEnum):
     V = 2
 
 
+TOKEN_MAJOR = "token-major"
+MAX_INTERIOR_CHARS = 64
+
+
+def check_kv_interior(value: object) -> str:
+    """A page-interior name: TOKEN_MAJOR or a kernel's name (printable ASCII, at most 64 characters).
+
+    Raises:
+        ConfigError: anything else, named (a peer's descriptor carries this value).
+    """
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_INTERIOR_CHARS or not value.isascii() \
+            or not value.isprintable():
+        raise ConfigError(f"kv_interior={value!r} must be {TOKEN_MAJOR!r} or a kernel name of 1-{MAX_INTERIOR_CHARS} "
+                          "printable ASCII characters", field="kv_interior", value=value)
+    return value
+
+
 class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a serving engine lays out its cache; defaults match vLLM 0.33 with DS conv state.
 
@@ -72,8 +89,13 @@ class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssm_order: SsmOrder = SsmOrder.V_D_K
     kv_layout: KVLayout = KVLayout.INTERLEAVED
     conv_dtype: DType | None = None  # None: the model dtype (an engine may keep conv state in another)
+    # How an attention kernel orders the bytes of one head's [tokens x K|V] chunk of a kernel block
+    # (docs/attention-layouts.md#page-interiors): TOKEN_MAJOR, or the name of a kernel whose order is not
+    # known to be token-major (its kernel pages then move whole, never split by token).
+    kv_interior: str = TOKEN_MAJOR
 
     def __post_init__(self) -> None:
+        check_kv_interior(self.kv_interior)
         for name in ("kv_dtype", "ssm_dtype", "conv_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, DType):
@@ -127,6 +149,7 @@ class RankGeometry:
         self.conv_layout = self.options.conv_layout
         self.ssm_order = self.options.ssm_order
         self.kv_layout = self.options.kv_layout
+        self.kv_interior = self.options.kv_interior
         self.tensor_map: TensorMap = build_tensor_map(model)
         self._check_block_sizes()
 
@@ -266,6 +289,18 @@ class RankGeometry:
         return self.kv_layout is KVLayout.INTERLEAVED
 
     @property
+    def is_token_major(self) -> bool:
+        """A token's K|V bytes sit where kv_layout says inside a kernel page (docs/attention-layouts.md#page-interiors)."""
+        return self.kv_interior == TOKEN_MAJOR
+
+    def moved_token_end(self, num_tokens: int) -> int:
+        """Where a request's moved attention bytes end, in tokens: ``num_tokens`` on a token-major interior;
+        else the end of the kernel page holding the last token, so a partial kernel page moves whole."""
+        if self.is_token_major or num_tokens <= 0:
+            return num_tokens
+        return -(-num_tokens // self.kernel_block_size) * self.kernel_block_size
+
+    @property
     def kv_token_stride(self) -> int:
         """Bytes from one token to the next inside a head: K|V of a token in interleaved, K (or V) in split."""
         return 2 * self.head_token_bytes if self.is_interleaved else self.head_token_bytes
@@ -348,6 +383,7 @@ class RankGeometry:
             "num_gdn_layers": len(self.model.gdn_layers),
             "conv_layout": self.conv_layout.value,
             "kv_layout": self.kv_layout.value,
+            "kv_interior": self.kv_interior,
         }
 
     def __repr__(self) -> str:

@@ -50,7 +50,7 @@ from hybrid_transfer.plan.validate import (
 
 _FRAME_CACHE_SIZE = 64
 _SEEN_CACHE_SIZE = 1024
-_LAYOUT_FIELDS = ("conv_layout", "ssm_order", "kv_layout")
+_LAYOUT_FIELDS = ("conv_layout", "ssm_order", "kv_layout", "kv_interior")
 _NOT_AFFINE = object()  # a structure whose pack recipe is not one per structure: keyed on the exact count
 # Every dtype a descriptor carries must be equal on both sides (an item size read with the other side's dtype is
 # wrong bytes, not an error): found by name, so a dtype field added to RankDescriptor is checked without an edit.
@@ -87,6 +87,7 @@ class Planner:
         geos = {s: all_geos[s] for s in self.topology.sources}
         self._check_equal_fields(all_geos)
         self.remote = geos[self.topology.sources[0]]  # block sizes are equal across the engine
+        self._check_opaque_interior()
         pairs = assign_kv_heads(self.local, geos)
         self.templates: tuple[SourceTemplate, ...] = tuple(
             SourceTemplate(
@@ -162,6 +163,16 @@ class Planner:
         if diffs:
             raise FingerprintMismatch(diffs)
 
+    def _check_opaque_interior(self) -> None:
+        """A kernel page whose interior is not token-major moves whole, so it must be one page on both sides."""
+        if self.local.is_token_major or self.local.kernel_block_size == self.remote.kernel_block_size:
+            return
+        raise TopologyError(f"kernel block sizes {self.remote.kernel_block_size} (prefill) and "
+                            f"{self.local.kernel_block_size} (decode) differ and the page interior "
+                            f"{self.local.kv_interior!r} is not token-major: its kernel pages cannot be re-blocked "
+                            "(docs/attention-layouts.md#page-interiors)", prefill_tp=self.topology.prefill_tp,
+                            decode_tp=self.topology.decode_tp, field="kernel_block_size")
+
     def _check_state_coverage(self) -> None:
         if not self.local.has_gdn:
             return
@@ -182,11 +193,13 @@ class Planner:
         return num_tokens * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
 
     def planned_bytes(self, num_tokens: int, mode: PlanMode = PlanMode.COALESCED) -> int:
-        """Bytes a plan of ``mode`` moves: the valid payload, except naive, which moves whole pages like vLLM."""
+        """Bytes a plan of ``mode`` moves: the valid payload, except naive, which moves whole pages like vLLM,
+        and a partial kernel page of an interior that is not token-major, which moves whole."""
         if PlanMode(mode) is PlanMode.NAIVE:
             end = naive_token_end(num_tokens, self.local, self.remote)
-            return end * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
-        return self.expected_bytes(num_tokens)
+        else:
+            end = self.local.moved_token_end(num_tokens)
+        return end * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
 
     def plan(self, local_block_ids: Sequence[Sequence[int]], remote_block_ids: Sequence[Sequence[int]],
              num_tokens: int, mode: PlanMode = PlanMode.COALESCED, *, validate: bool = True,
@@ -309,6 +322,8 @@ class Planner:
             return pack_recipe(rec.with_tail((n - cut) * stride), index, tpl, self._local_base, self._local_page,
                                self._remote_page, remote_lens, n)
 
+        if not self.local.is_token_major:  # counts come in whole kernel pages: few, and not affine within one
+            return self._cached_pack(("exact", num_tokens, local_lens, remote_lens, index), lambda: build(num_tokens))
         key = (cut, local_lens, remote_lens, index)
         pack = self._cached_pack(key, lambda: structure_recipe(
             build, cut, structure_end(cut, self.local, self.remote)) or _NOT_AFFINE)
@@ -376,6 +391,8 @@ class Planner:
         """Pieces of every source at once (the shape's cached recipe over ``flat_*``, the id lists concatenated),
         one merge, one broadcast over tensors, then one plan per source."""
         naive = mode is PlanMode.NAIVE
+        if not naive:  # a kernel page whose interior is not token-major moves whole (docs/attention-layouts.md)
+            num_tokens = self.local.moved_token_end(num_tokens)
         # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
         token_end = naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens
         local_lens = tuple(a.shape[0] for a in local_ids)

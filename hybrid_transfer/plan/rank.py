@@ -10,7 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from hybrid_transfer.errors import PlanError
-from hybrid_transfer.layout.geometry import CacheOptions, ConvLayout, KVLayout, RankGeometry, SsmOrder
+from hybrid_transfer.layout.geometry import TOKEN_MAJOR, CacheOptions, ConvLayout, KVLayout, RankGeometry, SsmOrder
 from hybrid_transfer.layout.model import DType, ModelSpec
 
 
@@ -34,6 +34,7 @@ class RankDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ssm_bytes: int = 0
     kv_layout: str = KVLayout.INTERLEAVED.value  # protocol 3
     conv_dtype: str = ""  # protocol 4: the conv state's dtype when an engine overrides it ("": the model dtype)
+    kv_interior: str = TOKEN_MAJOR  # protocol 9: the attention kernel's page interior (docs/attention-layouts.md)
 
     @property
     def region_bytes(self) -> int:
@@ -64,6 +65,7 @@ def describe_rank(geometry: RankGeometry, tensor_addrs: tuple[int, ...] | list[i
         ssm_bytes=geometry.ssm_bytes,
         kv_layout=geometry.kv_layout.value,
         conv_dtype=geometry.conv_dtype.value,
+        kv_interior=geometry.kv_interior,
     )
 
 
@@ -82,6 +84,7 @@ def geometry_from_descriptor(model: ModelSpec, desc: RankDescriptor) -> RankGeom
         ssm_order=SsmOrder(desc.ssm_order),
         kv_layout=desc.kv_layout,
         conv_dtype=DType(desc.conv_dtype) if desc.conv_dtype else None,
+        kv_interior=desc.kv_interior,
     )
     geometry = RankGeometry(model, desc.tp_size, desc.tp_rank, options)
     for name, ours, theirs in (

@@ -124,6 +124,7 @@ def stage_shape(geometry: RankGeometry, tensor_addrs: Sequence[int], list_lens: 
     """
     if num_tokens <= 0:
         return StageShape(_EMPTY, _EMPTY, _EMPTY, _EMPTY, geometry.page_bytes)
+    num_tokens = geometry.moved_token_end(num_tokens)  # a partial kernel page that is not token-major stages whole
     base = np.asarray(tensor_addrs, dtype=np.int64)
     if base.shape[0] != geometry.num_tensors:
         raise PlanError(f"{base.shape[0]} tensor addresses for {geometry.num_tensors} tensors",

@@ -90,8 +90,22 @@ def scenarios(draw):
         "ssm_order": draw(st.sampled_from(list(SsmOrder))),
         "kv_layout": draw(st.sampled_from(list(KVLayout))),
     }
+    # An opaque page interior (vLLM's CPU kernels) moves partial kernel pages whole; both sides then
+    # need one kernel block size (the planner refuses others, tested in test_page_interior.py).
+    opaque = draw(st.booleans())
+    if opaque:
+        shared["kv_interior"] = "CPU_ATTN:vec"
     prefill = draw(side_options(model, p, shared))
     decode = draw(side_options(model, d, shared))
+    if opaque:
+        try:
+            kernel = RankGeometry(model, p, 0, prefill).kernel_block_size
+        except ConfigError:
+            assume(False)
+        g = RankGeometry(model, d, 0, CacheOptions(alignment=1, **shared))
+        min_tokens = math.ceil(g.state_page_bytes / g.kv_bytes_per_token) if model.gdn_layers else 1
+        blocks = max(draw(st.sampled_from([1, 2, 3])), math.ceil(min_tokens / kernel))
+        decode = CacheOptions(block_size=kernel * blocks, kernel_block_size=kernel, **shared)
     try:
         bp = RankGeometry(model, p, 0, prefill).block_size
         bd = RankGeometry(model, d, 0, decode).block_size
@@ -100,7 +114,7 @@ def scenarios(draw):
     big = max(bp, bd)
     tokens = draw(st.one_of(st.sampled_from([0, 1, bp, bd, bp + 1, bd - 1 or 1]), st.integers(0, 3 * big)))
     return {
-        "model": model, "p": p, "d": d, "prefill": prefill, "decode": decode, "tokens": tokens,
+        "model": model, "p": p, "d": d, "prefill": prefill, "decode": decode, "tokens": tokens, "shared": shared,
         "mode": draw(st.sampled_from(list(PlanMode))),
         "fragmentation": draw(st.sampled_from([0.0, 0.5, 1.0])),
         "extra_local": draw(st.integers(0, 2)),
@@ -164,8 +178,13 @@ def test_every_plan_moves_exactly_the_right_bytes(s):
         plan = planner.plan(dec_req.block_ids, pre_req.block_ids, n, s["mode"])
         assert plan.total_bytes == plan.expected_bytes
         naive = s["mode"] is PlanMode.NAIVE
-        if not naive:
+        if not naive and "kv_interior" not in s["shared"]:
             assert plan.expected_bytes == planner.expected_bytes(n)  # valid bytes only
+        elif not naive:  # whole kernel pages: tokens up to the end of the last page holding one
+            kbs = dec[rank].geometry.kernel_block_size
+            per_token = dec[rank].geometry.kv_bytes_per_token * len(model.attention_layers)
+            state = planner.expected_bytes(n) - n * per_token
+            assert plan.expected_bytes == -(-n // kbs) * kbs * per_token + state
         execute(plan, memory_space(cache, f"decode {rank}"), remotes)
         check_destination(cache, dec_req, s["seed"], skip_attention_tails=naive)
         if naive:

@@ -25,10 +25,15 @@ from hybrid_transfer.layout.engine_spec import (
     EngineStateSpec,
     geometry_from_engine_spec,
 )
-from hybrid_transfer.layout.geometry import ConvLayout, KVLayout
+from hybrid_transfer.layout.geometry import TOKEN_MAJOR, ConvLayout, KVLayout, check_kv_interior
 from hybrid_transfer.layout.model import DType, ModelSpec, model_from_config
 
 REQUIRED_LAYOUT = "LBHNC"  # vLLM's name for [block][head][token][K|V] pages (alias HND)
+# Backends whose kernels address an LBHNC head chunk token by token ([token][K|V], through its strides), so a
+# partial block may move its valid tokens only. Every other backend, vLLM's CPU_ATTN among them (its kernels view
+# a head chunk as [K: tokens x head_dim | V: ...] and tile it by ISA), is opaque: its partial kernel pages move
+# whole (docs/attention-layouts.md#page-interiors).
+TOKEN_MAJOR_BACKENDS = frozenset({"FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "FLEX_ATTENTION"})
 
 
 @dataclass
@@ -47,10 +52,38 @@ def model_of(vllm_config) -> ModelSpec:
     return model_from_config(cfg, name=str(vllm_config.model_config.model).rstrip("/").rsplit("/", 1)[-1])
 
 
-def engine_rank_spec(kv_cache_config: KVCacheConfig, attention_view: torch.Tensor) -> EngineRankSpec:
+def kv_interior_of(vllm_config, attention_layer_names) -> str:
+    """The page interior of this rank's attention kernels: TOKEN_MAJOR, or the backend's name (and its ISA,
+    which vLLM's CPU backend picks by host: ``CPU_ATTN:vec``, ``CPU_ATTN:amx``...).
+
+    Read from the layers vLLM built (their ``attn_backend``; the CPU metadata builder sets ``isa`` before
+    ``register_kv_caches``). A layer that names no backend is opaque, never assumed token-major.
+
+    Raises:
+        UnsupportedError: the attention layers run kernels of different interiors.
+    """
+    context = vllm_config.compilation_config.static_forward_context
+    found = set()
+    for name in attention_layer_names:
+        layer = context.get(name)
+        backend = getattr(layer, "attn_backend", None)
+        backend_name = backend.get_name() if backend is not None else "unknown-backend"
+        if backend_name in TOKEN_MAJOR_BACKENDS:
+            found.add(TOKEN_MAJOR)
+            continue
+        isa = getattr(layer, "isa", None)
+        found.add(check_kv_interior(f"{backend_name}:{isa}" if isinstance(isa, str) and isa else backend_name))
+    if len(found) != 1:
+        raise UnsupportedError(f"attention layers run kernels of different page interiors: {sorted(found)}")
+    return found.pop()
+
+
+def engine_rank_spec(kv_cache_config: KVCacheConfig, attention_view: torch.Tensor,
+                     kv_interior: str = TOKEN_MAJOR) -> EngineRankSpec:
     """What vLLM allocated on this rank, as plain numbers (layout/engine_spec.py).
 
     ``attention_view``: any attention layer's view; its dim 2 is the kernel block size.
+    ``kv_interior``: the attention kernels' page interior (``kv_interior_of``).
     """
     attention, mamba = _specs(kv_cache_config)
     if mamba is not None and mamba.page_size_bytes != attention.page_size_bytes:
@@ -77,6 +110,7 @@ def engine_rank_spec(kv_cache_config: KVCacheConfig, attention_view: torch.Tenso
         groups=engine_groups(kv_cache_config),
         kv_layout=KVLayout.INTERLEAVED,  # vLLM 0.33 pages: [head][token][K|V] (LBHNC)
         conv_layout=ConvLayout(get_conv_state_layout()) if mamba is not None else ConvLayout.DS,
+        kv_interior=kv_interior,
     )
 
 
@@ -116,7 +150,9 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
                                f"{REQUIRED_LAYOUT!r} (an attention backend that accepts it)")
     model = model_of(vllm_config)
     views = {layer_index(n): view for n, view in kv_caches.items()}
-    spec = engine_rank_spec(kv_cache_config, views[model.attention_layers[0]])
+    attention_names = [n for n in kv_caches if layer_index(n) in set(model.attention_layers)]
+    spec = engine_rank_spec(kv_cache_config, views[model.attention_layers[0]],
+                            kv_interior_of(vllm_config, attention_names))
     if spec.conv_layout is not ConvLayout.DS:
         raise UnsupportedError("the GDN conv state must be in DS layout: set VLLM_SSM_CONV_STATE_LAYOUT=DS "
                                "on both engines")

@@ -221,29 +221,34 @@ class WorkerSide:
         return sending, recving, failed
 
     def _zero_tail(self, order: ReadOrder) -> None:
-        """Zero the untransferred token tail of the last attention block a read filled.
+        """Zero what the read left unwritten in the last attention block it filled.
 
-        vLLM skips its own zeroing of blocks an asynchronous load fills (it would race the READ),
-        and the plan moves valid tokens only: without this, decode would later attend over stale
-        bytes in the tail of that block.
+        vLLM skips its own zeroing of blocks an asynchronous load fills (it would race the READ). On a
+        token-major interior the plan moves valid tokens only: the token tail of the last kernel page
+        and the later kernel pages of the block are stale and zeroed here. On any other interior the
+        last kernel page holding a token moved whole and nothing inside it is touched: only the later,
+        wholly unmoved kernel pages of the block are zeroed (docs/attention-layouts.md#page-interiors).
         """
-        n = order.ticket.num_tokens
         g = self.engine.cache.geometry
-        rem = n % g.block_size
+        n = order.ticket.num_tokens
+        end = g.moved_token_end(n)
+        rem = end % g.block_size
         if rem == 0:
             return
         ratio, kbs = g.kernel_ratio, g.kernel_block_size
+        first_kernel, within = divmod(rem, kbs)  # within > 0 only on a token-major interior
         for group_index, is_attention in enumerate(self.engine.group_map.attention_mask):
             if not is_attention:
                 continue
             block = order.local_block_ids[group_index][n // g.block_size]
-            first_kernel, within = divmod(rem, kbs)
+            base = block * ratio + first_kernel
             for layer in g.tensor_map.groups[group_index].layers:
                 view = self.engine.attention_views[layer]  # [kernel blocks, heads, tokens, K|V]
-                base = block * ratio + first_kernel
-                view[base, :, within:].zero_()
-                if first_kernel + 1 < ratio:
+                if within:
+                    view[base, :, within:].zero_()
                     view[base + 1: block * ratio + ratio].zero_()
+                else:
+                    view[base: block * ratio + ratio].zero_()
 
     def _zero_attention_blocks(self, order: ReadOrder) -> None:
         """A failed read may have filled part of its blocks, and vLLM skipped zeroing them: zero them whole.

