@@ -185,7 +185,7 @@ def pack_recipe(rec: Recipe, index: int, tpl: SourceTemplate, local_base: np.nda
     # Rows tensor-major, as the direct plan's.
     ra = (stand_in[:num_tensors, None] + (rsel * remote_page + rconst)[None, :]).ravel()
     ln = np.tile(length, num_tensors)
-    row, within, staged, plen = split_rows(fake, ra, ln)
+    row, within, staged, plen = split_rows(fake, ra, ln, num_tensors)
     read_remote, read_local, read_length = read_runs(staged, plen)
     if int(read_length.sum()) != int(ln.sum()):
         raise PlanError(f"source {tpl.source_rank}: read ranges hold {int(read_length.sum())} B of the rows' "

@@ -461,7 +461,8 @@ def to_pack(direct: SourcePlan, tpl: SourceTemplate, remote_block_ids: Sequence[
         PlanError: the rows reach bytes the source's layout does not stage (a bug on one side).
     """
     layout = stage_layout(tpl.geometry, tpl.tensor_addrs, remote_block_ids, num_tokens)
-    return PackSourcePlan(direct, layout, map_rows(layout, direct.local_addr, direct.remote_addr, direct.length))
+    return PackSourcePlan(direct, layout, map_rows(layout, direct.local_addr, direct.remote_addr, direct.length,
+                                                   tpl.geometry.num_tensors))
 
 
 def _resolved(name: str, desc: RankDescriptor, geometry: RankGeometry) -> object:

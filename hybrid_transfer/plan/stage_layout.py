@@ -229,8 +229,12 @@ def _compute_share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
     return offsets, lengths
 
 
-def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray) -> StagedRead:
+def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarray, length: np.ndarray,
+             tiles: int = 1) -> StagedRead:
     """Turn one source's direct rows into read ranges of its staging and scatter pieces into local memory.
+
+    ``tiles``: the source's tensor count when the rows are tensor-major (a planner's are), which lets
+    ``split_rows`` cut one tensor's rows for all; any rows map correctly whatever it is.
 
     Raises:
         PlanError: a row reaches bytes the layout does not stage, or two rows read the same staged byte.
@@ -240,7 +244,7 @@ def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarra
         return StagedRead(_EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY, _EMPTY)
     la = np.asarray(local_addr, dtype=np.int64)
     ra = np.asarray(remote_addr, dtype=np.int64)
-    row, within, stage, plen = split_rows(layout, ra, np.asarray(length, dtype=np.int64))
+    row, within, stage, plen = split_rows(layout, ra, np.asarray(length, dtype=np.int64), tiles)
     dst = la[row] + within
     remote_offset, local_offset, run_len = read_runs(stage, plen)
     src = np.cumsum(plen) - plen  # local staging holds the runs back to back: dense in stage order
@@ -248,11 +252,17 @@ def map_rows(layout: StageLayout, local_addr: np.ndarray, remote_addr: np.ndarra
     return StagedRead(remote_offset, local_offset, run_len, s_src, s_dst, s_len)
 
 
-def split_rows(layout: StageLayout, ra: np.ndarray, ln: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray,
-                                                                               np.ndarray]:
+def split_rows(layout: StageLayout, ra: np.ndarray, ln: np.ndarray,
+               tiles: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Rows (remote address ``ra``, length ``ln``) cut at atom boundaries, in staging order.
 
     Returns (row, offset of the part in its row, staging offset, length) per part.
+
+    ``tiles``: how many copies of one block of rows and atoms the input may be, each shifted by a fixed
+    address (a source's tensors: the rows come tensor-major, every tensor's atoms and rows alike). When the
+    rows and atoms are such copies, only the first copy is cut and the cut is shifted to the others: the
+    search per row (60 ns a row: a binary search over 2,400 atoms, its branches mispredicted) then runs on
+    327 rows instead of 4,905. Anything else is cut whole; the result is the same either way.
 
     Raises:
         PlanError: as ``map_rows``.
@@ -264,24 +274,19 @@ def split_rows(layout: StageLayout, ra: np.ndarray, ln: np.ndarray) -> tuple[np.
     a_addr = layout.addr[order]
     a_end = a_addr + layout.length[order]
     a_off = layout.offset[order]
-    first = np.searchsorted(a_addr, ra, side="right") - 1
-    last = np.searchsorted(a_addr, ra + ln - 1, side="right") - 1
-    bad = (ln <= 0) | (first < 0) | (ra >= a_end[np.maximum(first, 0)]) | (ra + ln > a_end[np.maximum(last, 0)])
-    if bad.any():
-        i = int(np.flatnonzero(bad)[0])
-        raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) reaches bytes the source does not stage",
-                        row=i, remote_addr=int(ra[i]), length=int(ln[i]))
-    count = last - first + 1
-    row = np.repeat(np.arange(n, dtype=np.int64), count)
-    within = np.arange(row.shape[0], dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    atom = first[row] + within
-    start = np.maximum(ra[row], a_addr[atom])
-    end = np.minimum(ra[row] + ln[row], a_end[atom])
-    gap = (row[1:] == row[:-1]) & (end[:-1] != start[1:])
-    if gap.any():
-        i = int(row[1:][gap][0])
-        raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) spans bytes the source does not stage",
-                        row=i, remote_addr=int(ra[i]), length=int(ln[i]))
+    shift = _tile_shift(a_addr, a_end, ra, ln, tiles)
+    cut = None
+    if shift is not None:
+        k, m = a_addr.shape[0] // tiles, n // tiles
+        cut = _cut(a_addr[:k], a_end[:k], ra[:m], ln[:m], strict=False)
+    if cut is None:
+        row, atom, start, end = _cut(a_addr, a_end, ra, ln, strict=True)
+    else:  # the first tile's parts, repeated per tile: row, atom and addresses shifted by the tile's
+        row, atom, start, end = cut
+        step = np.arange(tiles, dtype=np.int64)[:, None]
+        row = (row[None, :] + step * m).ravel()
+        atom = (atom[None, :] + step * k).ravel()
+        start, end = (start[None, :] + shift[:, None]).ravel(), (end[None, :] + shift[:, None]).ravel()
     stage = a_off[atom] + (start - a_addr[atom])
     by_stage = np.argsort(stage, kind="stable")
     row, start, end, stage = row[by_stage], start[by_stage], end[by_stage], stage[by_stage]
@@ -289,6 +294,67 @@ def split_rows(layout: StageLayout, ra: np.ndarray, ln: np.ndarray) -> tuple[np.
     if (stage[1:] < stage[:-1] + plen[:-1]).any():
         raise PlanError("two rows read the same staged bytes", num_rows=n)
     return row, start - ra[row], stage, plen
+
+
+def _tile_shift(a_addr: np.ndarray, a_end: np.ndarray, ra: np.ndarray, ln: np.ndarray,
+                tiles: int) -> np.ndarray | None:
+    """Each tile's address shift from the first when the sorted atoms and the rows are ``tiles`` shifted
+    copies of their first tile, the tiles' atoms apart; else None."""
+    n, num_atoms = ra.shape[0], a_addr.shape[0]
+    if tiles <= 1 or n % tiles or num_atoms % tiles:
+        return None
+    k, m = num_atoms // tiles, n // tiles
+    shift = a_addr[::k] - a_addr[0]
+    atoms = a_addr.reshape(tiles, k) - shift[:, None]
+    ends = a_end.reshape(tiles, k) - shift[:, None]
+    rows = ra.reshape(tiles, m) - shift[:, None]
+    if not ((atoms == atoms[0]).all() and (ends == ends[0]).all() and (rows == rows[0]).all()
+            and (ln.reshape(tiles, m) == ln[:m]).all() and (a_addr[k::k] >= a_end[k - 1:-1:k]).all()):
+        return None
+    return shift
+
+
+def _cut(a_addr: np.ndarray, a_end: np.ndarray, ra: np.ndarray, ln: np.ndarray,
+         strict: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """Rows cut at the (sorted, disjoint) atoms: (row, atom, start, end) per part, in row order.
+
+    Raises:
+        PlanError: when ``strict``, a row reaching bytes no atom holds (None instead otherwise).
+    """
+    n = ra.shape[0]
+    first = np.searchsorted(a_addr, ra, side="right") - 1
+    row_end = ra + ln
+    f0 = np.maximum(first, 0)
+    inside = row_end <= a_end[f0]  # most rows lie in one atom: the second search only for the others
+    if inside.all():
+        last = first
+    else:
+        last = first.copy()
+        out = np.flatnonzero(~inside)
+        last[out] = np.searchsorted(a_addr, row_end[out] - 1, side="right") - 1
+    bad = (ln <= 0) | (first < 0) | (ra >= a_end[f0]) | (row_end > a_end[np.maximum(last, 0)])
+    if bad.any():
+        if not strict:
+            return None
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) reaches bytes the source does not stage",
+                        row=i, remote_addr=int(ra[i]), length=int(ln[i]))
+    if last is first:
+        return np.arange(n, dtype=np.int64), first, ra, row_end
+    count = last - first + 1
+    row = np.repeat(np.arange(n, dtype=np.int64), count)
+    within = np.arange(row.shape[0], dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    atom = first[row] + within
+    start = np.maximum(ra[row], a_addr[atom])
+    end = np.minimum(row_end[row], a_end[atom])
+    gap = (row[1:] == row[:-1]) & (end[:-1] != start[1:])
+    if gap.any():
+        if not strict:
+            return None
+        i = int(row[1:][gap][0])
+        raise PlanError(f"row {i} ({int(ln[i])} B at {int(ra[i]):#x}) spans bytes the source does not stage",
+                        row=i, remote_addr=int(ra[i]), length=int(ln[i]))
+    return row, atom, start, end
 
 
 def read_runs(stage: np.ndarray, plen: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

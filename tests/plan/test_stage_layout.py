@@ -57,6 +57,11 @@ def test_pack_through_the_canonical_layout_moves_exactly_the_right_bytes(s):
         for src, pack in zip(plan.sources, packed.sources, strict=True):
             layout, staging = staged[src.source_rank]
             read = map_rows(layout, src.local_addr, src.remote_addr, src.length)
+            # Cutting one tensor's rows for all (tiles) maps them alike.
+            tiled = map_rows(layout, src.local_addr, src.remote_addr, src.length,
+                             len(pre_descs[src.source_rank].tensor_addrs))
+            for name in StagedRead.__dataclass_fields__:
+                np.testing.assert_array_equal(getattr(tiled, name), getattr(read, name), err_msg=f"tiled {name}")
             # The planner's per-shape pack recipe gives what mapping the direct rows gives.
             for name in ("addr", "length", "offset"):
                 np.testing.assert_array_equal(getattr(pack.layout, name), getattr(layout, name))
@@ -92,6 +97,36 @@ def test_worked_example_reads_two_ranges_per_source():
     # The rank stages its one KV head (every consumer of it reads it whole) and its state (split four ways).
     g = RankGeometry(model, 2, src.source_rank)
     assert layout.total_bytes == n * g.kv_bytes_per_token * 15 + g.state_bytes_per_request
+
+
+def test_tiles_cut_one_tensor_for_all_and_map_like_the_whole():
+    """``map_rows(..., tiles)``: the planner's tensor-major rows, shuffled rows and a row moved out of the staged
+    bytes in the last tensor give what cutting every row gives (the same ranges, pieces or error)."""
+    from hybrid_transfer.plan.scenario import blocks_needed, fake_engine, make_block_ids
+
+    model = load_preset("qwen3.5-397b-a17b")
+    pre, dec = fake_engine(model, 2, None, 64, 0), fake_engine(model, 8, None, 128, 1)
+    rng = np.random.default_rng(1)
+    n = 9000
+    remote = make_block_ids(blocks_needed(model, pre[0].block_size, n), 64, 1.0, rng)
+    local = make_block_ids(blocks_needed(model, dec[0].block_size, n), 128, 1.0, rng)
+    (src,) = Planner(model, dec[5], pre).plan(local, remote, n, PlanMode.COALESCED).sources
+    g = RankGeometry(model, 2, src.source_rank)
+    layout = stage_layout(g, pre[src.source_rank].tensor_addrs, remote, n)
+    perm = rng.permutation(src.length.shape[0])
+    for rows in ((src.local_addr, src.remote_addr, src.length),
+                 (src.local_addr[perm], src.remote_addr[perm], src.length[perm])):
+        whole, tiled = map_rows(layout, *rows), map_rows(layout, *rows, g.num_tensors)
+        for name in StagedRead.__dataclass_fields__:
+            np.testing.assert_array_equal(getattr(tiled, name), getattr(whole, name), err_msg=name)
+    moved = src.remote_addr.copy()
+    moved[-200] += g.page_bytes // 2 + 1  # into bytes no atom holds (the ssm page's padding or another head's)
+    errors = []
+    for tiles in (1, g.num_tensors):
+        with pytest.raises(PlanError) as info:
+            map_rows(layout, src.local_addr, moved, src.length, tiles)
+        errors.append(str(info.value))
+    assert errors[0] == errors[1]
 
 
 def test_rows_outside_the_staged_bytes_are_refused():
