@@ -8,7 +8,9 @@ with distinct counts drawn from [tokens - spread, tokens + spread] (a count's ow
 a count in a segment structure not seen yet pays that structure's first and second requests), each on
 its own block ids. Prints per round the median, p90 and mean us of ``Planner.plan`` per decode rank
 per request over all ranks, then the min and median of the round medians, and the load average
-(the host is shared: figures move with it). Target: 500 us.
+(the host is shared: figures move with it). ``--evict MIB`` writes over that many MiB before each timed
+request, so the planner's arrays are out of the caches as on a decode thread between requests (the READ's
+memcpy evicts them; 64 is twice this host's L3). Target: 500 us.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def one_round(args, rng: np.random.Generator) -> np.ndarray:
     mode = PlanMode(args.mode)
     low = max(1, args.tokens - args.spread)
     samples = []
+    scratch = np.zeros(args.evict << 17, dtype=np.int64)  # MiB of int64
     for rank in range(args.decode_tp):
         planner = Planner(model, consumers[rank], producers)
         warm = (_trim(model, probe_d, id_sets[0][0], args.tokens), _trim(model, probe_p, id_sets[0][1], args.tokens))
@@ -52,6 +55,8 @@ def one_round(args, rng: np.random.Generator) -> np.ndarray:
         for i, n in enumerate(counts.tolist()):
             local, remote = id_sets[i % _NUM_ID_SETS]
             local, remote = _trim(model, probe_d, local, n), _trim(model, probe_p, remote, n)
+            if scratch.shape[0]:
+                scratch += 1
             t0 = time.perf_counter()
             planner.plan(local, remote, n, mode)
             samples.append(time.perf_counter() - t0)
@@ -75,12 +80,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=60, help="timed requests per decode rank per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--evict", type=int, default=0, help="MiB written before each timed request (0: warm)")
     args = parser.parse_args()
     rng = np.random.default_rng(args.seed)
     load0 = os.getloadavg()
     print(f"{args.preset}, P{args.prefill_tp}->D{args.decode_tp}, {args.mode}, fragmentation {args.fragmentation}, "
           f"counts in [{args.tokens - args.spread}, {args.tokens + args.spread}], {args.repeats} requests per decode "
-          f"rank per round; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
+          f"rank per round, {f'{args.evict} MiB evicted before each' if args.evict else 'warm'}; load average {load0[0]:.2f} {load0[1]:.2f} {load0[2]:.2f}")
     header = f"{'round':>5} {'median us':>10} {'p90 us':>8} {'mean us':>8} {'max us':>8}"
     print(header)
     print("-" * len(header))

@@ -147,10 +147,17 @@ class RegionTable:
     def holds_ascending(self, addr: np.ndarray, end: np.ndarray) -> bool:
         """``holds`` for ranges ascending by start that do not overlap (``addr[i + 1] >= end[i]``, every range
         non-empty: the caller checked). One search per region instead of one per range: a region's ranges are
-        a run, and the run's last end is its largest."""
-        n = addr.shape[0]
+        a run, and the run's last end is its largest.
+
+        Tried first, as in ``holds``: as many equal runs as there are regions, each in the region of its first
+        start up to its last end (four numpy calls, where a cold decode thread pays 10-40 us a call)."""
+        n, k = addr.shape[0], self.starts.shape[0] - 1
         if n == 0:
             return True
+        if k and n % k == 0:
+            m = n // k
+            if (end[m - 1 :: m] <= self._ends_right[np.searchsorted(self.starts, addr[::m], side="right")]).all():
+                return True
         first = np.searchsorted(addr, self.starts[1:], side="left")  # each region's first range
         if not first.shape[0] or first[0]:
             return False  # ranges below the lowest region
