@@ -25,15 +25,13 @@ from vllm.v1.outputs import KVConnectorOutput
 WRITE_BYTE = 0xEE  # what a late forward write leaves in a page (neither poison nor any pattern's whole page)
 
 
-def configure_async(cfg, *, ssm_dtype: str | None = "bfloat16") -> None:
-    """Async scheduling (and the SSM cache dtype) on a built config, before the cache config and scheduler.
+def configure_async(cfg) -> None:
+    """Async scheduling on a built config, before the cache config and scheduler.
 
-    The CPU platform turns async scheduling off and, on AVX-512-BF16 hosts, resets the SSM
-    cache dtype to float32 in the config's post-init (vllm/platforms/cpu.py), so both are set after it.
+    The CPU platform turns async scheduling off in the config's post-init (vllm/platforms/cpu.py),
+    so it is set after it. (The SSM cache dtype is named when the config is built: make_vllm_config.)
     """
     cfg.scheduler_config.async_scheduling = True
-    if ssm_dtype is not None:
-        cfg.cache_config.mamba_ssm_cache_dtype = ssm_dtype
 
 
 @dataclass

@@ -6,7 +6,8 @@ recording fake that prepares nothing and moves nothing, the TP group by a fixed 
 attention backend by vLLM's CPU backend with FlashAttention's kernel sizes (any multiple of 16, as on
 a GPU), and the platform's NUMA discovery by an empty one (a CPU worker would pin the whole process to
 one core). Everything vLLM derives (block sizes, padded pages, groups, regions,
-descriptor lists) comes from vLLM's code.
+descriptor lists) comes from vLLM's code. The SSM state dtype is named per engine (``build_engine``),
+never left to vLLM's host-dependent ``auto``, and our side plans with the same one.
 
 Our side plans the same request with ``hybrid_transfer``'s planner in ``naive`` mode.
 
@@ -114,6 +115,7 @@ class Engine:
     kv_cache_config: object
     tp_size: int
     backend: type
+    ssm_dtype: str  # the SSM state dtype the engine was configured with (vLLM's mamba_ssm_cache_dtype)
     block_size: int = field(init=False)
 
     def __post_init__(self):
@@ -121,19 +123,23 @@ class Engine:
 
 
 def build_engine(name: str, tp_size: int, num_blocks: int, block_size: int | None = None,
-                 backend: type | None = None) -> Engine:
+                 backend: type | None = None, ssm_dtype: str | None = None) -> Engine:
     """VllmConfig + KVCacheConfig for one engine at ``tp_size``, built by vLLM's config and planning code.
 
     ``block_size`` forces the logical block size (vLLM only raises it to fit the state page).
+    ``ssm_dtype``: the SSM state dtype; None takes the model's ``mamba_ssm_dtype``, as vLLM does for a
+    Qwen3.5 architecture (for the Qwen3-Next config written here vLLM would use ``auto``, which its CPU
+    platform resolves by the host's ISA).
     """
     from vllm.config import CacheConfig, KVTransferConfig, ParallelConfig, VllmConfig
 
     from hybrid_transfer.integrations.vllm_peer.model import hybrid_kv_cache_config
 
     backend = backend or kernel_backend()
+    ssm_dtype = ssm_dtype or cache_fields(name)["mamba_ssm_dtype"]
     model_config = copy.deepcopy(_model_config(name))
     # No prefix caching: a request then owns one state block per GDN group, as hybrid_transfer assumes.
-    cache = CacheConfig(block_size=block_size or 16, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=block_size or 16, enable_prefix_caching=False, mamba_ssm_cache_dtype=ssm_dtype)
     cache.num_gpu_blocks_override = num_blocks
     vc = VllmConfig(
         model_config=model_config, cache_config=cache,
@@ -142,7 +148,13 @@ def build_engine(name: str, tp_size: int, num_blocks: int, block_size: int | Non
     )
     vc.cache_config.kv_cache_layout = "LBHNC"  # what vLLM resolves for NIXL's required layout
     kvc = hybrid_kv_cache_config(vc, backend, num_blocks)
-    return Engine(vc, kvc, tp_size, backend)
+    return Engine(vc, kvc, tp_size, backend, ssm_dtype)
+
+
+def live_ssm_dtypes(kv_cache_config) -> set[str]:
+    """The SSM state dtypes of vLLM's Mamba specs, as dtype names ("float32")."""
+    return {str(g.kv_cache_spec.dtypes[1]).removeprefix("torch.") for g in kv_cache_config.kv_cache_groups
+            if type(g.kv_cache_spec).__name__ == "MambaSpec"}
 
 
 class RecordingNixl:
@@ -356,14 +368,17 @@ def our_naive_reads(name: str, prefill: Engine, decode: Engine, num_tokens: int,
     """Our planner's naive plan of one request between the two engines, with their block sizes.
 
     ``kernel_sizes``: (prefill, decode) attention kernel block sizes; None keeps the logical block.
-    ``VllmPull.kernel_sizes`` gives the ones vLLM's workers settled on.
+    ``VllmPull.kernel_sizes`` gives the ones vLLM's workers settled on. Each side's SSM state dtype is
+    its engine's.
     """
     from hybrid_transfer.cli.plan_cmd import plan_all
     from hybrid_transfer.layout import CacheOptions
     from hybrid_transfer.plan.types import PlanMode
 
-    prefill_opts = CacheOptions(block_size=prefill.block_size, kernel_block_size=kernel_sizes[0])
-    decode_opts = CacheOptions(block_size=decode.block_size, kernel_block_size=kernel_sizes[1])
+    prefill_opts = CacheOptions(block_size=prefill.block_size, kernel_block_size=kernel_sizes[0],
+                                ssm_dtype=prefill.ssm_dtype)
+    decode_opts = CacheOptions(block_size=decode.block_size, kernel_block_size=kernel_sizes[1],
+                               ssm_dtype=decode.ssm_dtype)
     [plan] = plan_all(our_model(name), prefill.tp_size, decode.tp_size, prefill_opts, decode_opts, num_tokens,
                       PlanMode.NAIVE, 0.0, 0, decode_rank)
     return [OurRead(s.source_rank, s.num_descriptors, s.total_bytes) for s in plan.sources]

@@ -3,8 +3,8 @@
 Production runs ``--async-scheduling``: two steps in flight, a step's output processed after the
 next step was scheduled (``EngineCore.step_with_batch_queue``), and on a consumer vLLM defers
 block frees behind in-flight steps (``defer_block_free``). The CPU platform switches async
-scheduling off and may reset the SSM cache dtype to float32 in the config's post-init, so each
-engine sets both back (batch_queue.configure_async) and every test asserts what vLLM resolved.
+scheduling off in the config's post-init, so each engine sets it back (batch_queue.configure_async);
+the bf16 SSM cache is named when the config is built, and every test asserts what vLLM resolved.
 
 Steps run eagerly or lazily through batch_queue.py, whose steps' GPU writes (zeroing of new
 blocks, the forward's KV and state writes) land only when the step lands, after any READ that
@@ -40,9 +40,9 @@ def _engine(name, model_dir, host, *, prefill: bool, max_num_seqs: int = 8, **kw
 
     if prefill:
         return Engine(name, model_dir, [host], tp_size=1, block_size=16, kv_role="kv_producer", is_prefill=True,
-                      configure=configure, **kwargs)
+                      configure=configure, ssm_dtype="bfloat16", **kwargs)
     return Engine(name, model_dir, [host], tp_size=1, block_size=32, kv_role="kv_consumer", is_prefill=False,
-                  configure=configure, **kwargs)
+                  configure=configure, ssm_dtype="bfloat16", **kwargs)
 
 
 def _assert_async(engine: Engine) -> None:

@@ -1,8 +1,9 @@
 """``--mamba-ssm-cache-dtype bfloat16`` (the Qwen3.5 recipe) through vLLM's live specs and real NIXL.
 
-The CPU platform resets the SSM cache dtype to float32 on AVX-512-BF16 hosts in the config's
-post-init, so each engine sets it after (as batch_queue.configure_async does) and each test
-asserts the dtype of vLLM's live Mamba spec before anything else.
+Each engine names its SSM cache dtype when its config is built, as the flag does: vLLM's CPU
+platform keeps an explicit float32 or bfloat16 on any host (only ``auto`` follows the host's
+ISA: test_host_decisions.py). Each test asserts the dtype of vLLM's live Mamba spec before
+anything else.
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ _TORCH = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def _engine(name, model_dir, host, ssm_dtype: str, *, prefill_side: bool, **kwargs) -> Engine:
-    def configure(cfg):
-        cfg.cache_config.mamba_ssm_cache_dtype = ssm_dtype
-
     engine = Engine(name, model_dir, [host], tp_size=1, block_size=16 if prefill_side else 32,
                     kv_role="kv_producer" if prefill_side else "kv_consumer", is_prefill=prefill_side,
-                    configure=configure, **kwargs)
+                    ssm_dtype=ssm_dtype, **kwargs)
     specs = [g.kv_cache_spec for g in engine.kv_cache_config.kv_cache_groups if isinstance(g.kv_cache_spec, MambaSpec)]
     assert specs and all(spec.dtypes[1] == _TORCH[ssm_dtype] for spec in specs)  # what vLLM resolved
     return engine

@@ -2,7 +2,9 @@
 
 vLLM's side: ``naive_helpers.VllmPull`` runs vLLM's ``NixlPullConnectorWorker`` over caches from
 vLLM's ``allocate_kv_cache`` with a recording NIXL fake, and returns what each posted READ holds.
-Run in the vLLM environment:
+Every test runs with float32 and with bfloat16 SSM state (``ssm_dtype``): the state page, the block
+size vLLM aligns to it and the descriptor lengths differ, and vLLM's ``auto`` would pick one by the
+host's ISA. Both sides of a comparison are configured with the same dtype. Run in the vLLM environment:
 
   PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu VLLM_SSM_CONV_STATE_LAYOUT=DS HF_HUB_OFFLINE=1 \\
       $(bash scripts/vllm_env.sh)/bin/python -m pytest -q tests/vllm/test_naive_counts.py
@@ -24,23 +26,34 @@ import naive_helpers as nh  # noqa: E402
 
 # (model, blocks per engine): enough for the longest request plus its state blocks.
 MODELS = {nh.TINY: 160, nh.QWEN35_08B: 12}
+# Request sizes around a block: the model's TP1 block, which vLLM aligns to the state page, so it follows
+# the SSM dtype (qwen3.5-0.8b: 544 tokens with float32 state, 288 with bfloat16; tiny: forced to 16).
+SHORT, PAST = "block-1", "block+1"  # one token short of a block, one token past it
 TOKENS = {
     nh.TINY: (1, 16, 39, 255),  # one token, one full block, a partial last block, many blocks
-    nh.QWEN35_08B: (1, 543, 545, 2047),  # block 544: one short of a block, one past it, 2047 (issue 11)
+    nh.QWEN35_08B: (1, SHORT, PAST, 2047),  # 2047: issue 11
 }
 TP_PAIRS = ((1, 1), (2, 1), (1, 2))
 CASES = [(m, p, d, n) for m in MODELS for p, d in TP_PAIRS for n in TOKENS[m]]
 
 
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def ssm_dtype(request) -> str:
+    """The SSM state dtype of every engine of a test (the module's tests run once per dtype)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def engines():
-    """Engines by (model, TP size), built once: vLLM's config and planning code are the slow part."""
+def engines(ssm_dtype):
+    """Engines by (model, TP size), built once per SSM dtype: vLLM's config and planning code are the slow part."""
     cache = {}
 
     def get(model: str, tp: int, **kwargs) -> nh.Engine:
         key = (model, tp, tuple(sorted(kwargs.items())))
         if key not in cache:
-            cache[key] = nh.build_engine(model, tp, MODELS[model], **kwargs)
+            engine = nh.build_engine(model, tp, MODELS[model], ssm_dtype=ssm_dtype, **kwargs)
+            assert nh.live_ssm_dtypes(engine.kv_cache_config) == {ssm_dtype}  # what vLLM resolved
+            cache[key] = engine
         return cache[key]
 
     return get
@@ -60,6 +73,14 @@ def pulls(engines):
     return get
 
 
+def resolve(engines, model: str, tokens: int | str) -> int:
+    """A request size of TOKENS in tokens, SHORT and PAST against the model's TP1 block of this SSM dtype."""
+    if isinstance(tokens, int):
+        return tokens
+    block = engines(model, 1).block_size
+    return {SHORT: block - 1, PAST: block + 1}[tokens]
+
+
 def formula(engine: nh.Engine, num_tokens: int) -> int:
     """R * K_fa + G_gdn * R * 4 from vLLM's own groups: R slots, K_fa kernel pages, 4 = conv Q, K, V + ssm."""
     groups = engine.kv_cache_config.kv_cache_groups
@@ -74,6 +95,7 @@ def formula(engine: nh.Engine, num_tokens: int) -> int:
 
 @pytest.mark.parametrize(("model", "p", "d", "tokens"), CASES)
 def test_vllm_posts_one_read_per_source_with_the_documented_count(pulls, engines, model, p, d, tokens):
+    tokens = resolve(engines, model, tokens)
     for rank in range(d):
         reads = pulls(model, p, d, rank).read(tokens)
         # fan-in (P > D): sources rank*P/D .. (rank+1)*P/D - 1; fan-out: the one source rank*P // D
@@ -117,22 +139,23 @@ def _assert_same_reads(pull: nh.VllmPull, model: str, tokens: int, rank: int) ->
 
 
 @pytest.mark.parametrize(("model", "p", "d", "tokens"), CASES + WIDE_CASES)
-def test_our_naive_posts_what_vllm_posts(pulls, model, p, d, tokens):
+def test_our_naive_posts_what_vllm_posts(pulls, engines, model, p, d, tokens):
     """Per decode rank: the same source ranks, per source the same descriptors and the same bytes.
 
     Bytes: both move whole attention pages, the unused tail of the last one included.
     """
+    tokens = resolve(engines, model, tokens)
     for rank in range(d):
         _assert_same_reads(pulls(model, p, d, rank), model, tokens, rank)
 
 
-@pytest.mark.parametrize(("model", "tokens"), [(nh.TINY, 39), (nh.TINY, 255), (nh.QWEN35_08B, 545)])
+@pytest.mark.parametrize(("model", "tokens"), [(nh.TINY, 39), (nh.TINY, 255), (nh.QWEN35_08B, PAST)])
 def test_a_fixed_kernel_block_smaller_than_the_logical_block(engines, model, tokens):
     """A 16-token kernel under a larger logical block: both move every kernel page of the logical blocks."""
     engine = engines(model, 1, block_size=32, backend=nh.kernel_backend(fixed=16))
     pull = nh.VllmPull(engine, engine)
     assert pull.consumer._physical_blocks_per_logical_kv_block == engine.block_size // 16 > 1
-    _assert_same_reads(pull, model, tokens, 0)
+    _assert_same_reads(pull, model, resolve(engines, model, tokens), 0)
 
 
 @pytest.mark.parametrize("tokens", [39, 255])

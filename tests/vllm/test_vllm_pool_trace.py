@@ -4,7 +4,8 @@ A KVCacheConfig of qwen3.5-0.8b from vLLM's own planning code (naive_helpers.bui
 caching), vLLM's KVCacheManager over it, and the bench's churn replayed through both, on a prefill
 engine's path (the prompt computed) and a decode engine's (the prompt as external tokens of an async
 load): every arrival gets the same block ids per group, and the bench's timed layouts are vLLM's ids
-in our group order.
+in our group order. Both with float32 and with bfloat16 SSM state: the state page sets vLLM's block
+size, so the simulation's geometry is built with the same SSM dtype as vLLM's config.
 Run in the vLLM environment:
 
   PYTHONPATH=$PWD VLLM_TARGET_DEVICE=cpu VLLM_SSM_CONV_STATE_LAYOUT=DS HF_HUB_OFFLINE=1 \\
@@ -31,7 +32,7 @@ from vllm_engine import make_request  # noqa: E402
 from hybrid_transfer.bench import vllm_pool  # noqa: E402
 from hybrid_transfer.bench.vllm_pool import Arrive  # noqa: E402
 from hybrid_transfer.integrations.vllm.groups import engine_groups  # noqa: E402
-from hybrid_transfer.layout import RankGeometry, load_preset  # noqa: E402
+from hybrid_transfer.layout import CacheOptions, RankGeometry, load_preset  # noqa: E402
 from hybrid_transfer.layout.engine_spec import engine_group_order, to_our_group_order  # noqa: E402
 
 PRESET = nh.QWEN35_08B
@@ -54,15 +55,19 @@ def _allocate(manager: KVCacheManager, request, tokens: int, side: str):
     return manager.allocate_slots(request, 0, num_external_computed_tokens=tokens, delay_cache_blocks=True)
 
 
-# TP 1: 544-token blocks, 1,500 tokens end in a partial third block; TP 4: 272-token blocks.
+# float32 state: TP 1 544-token blocks (1,500 tokens end in a partial third block), TP 4 272-token blocks;
+# bfloat16 state: 288 and 144 (a partial sixth block at TP 1). Every case ends in a partial block.
+@pytest.mark.parametrize("ssm_dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 @pytest.mark.parametrize(("tp", "tokens", "seed"), [(1, 1500, 0), (4, 2048, 5)])
-def test_churn_through_vllms_kv_cache_manager_gives_the_simulated_ids(tp, tokens, seed, side):
-    geo = RankGeometry(load_preset(PRESET), tp, 0)
+def test_churn_through_vllms_kv_cache_manager_gives_the_simulated_ids(tp, tokens, seed, side, ssm_dtype):
+    geo = RankGeometry(load_preset(PRESET), tp, 0, CacheOptions(ssm_dtype=ssm_dtype))
     num_blocks = vllm_pool.bench_pool_blocks(geo, tokens, REQUESTS)
-    engine = nh.build_engine(PRESET, tp, num_blocks)
+    engine = nh.build_engine(PRESET, tp, num_blocks, ssm_dtype=ssm_dtype)
     kvc = engine.kv_cache_config
+    assert nh.live_ssm_dtypes(kvc) == {ssm_dtype}  # what vLLM resolved
     assert kvc.num_blocks == num_blocks
+    assert tokens % geo.block_size != 0
     # vLLM's groups, in vLLM's order, are the simulation's: GDN x3, then attention of our block size.
     sizes = tuple(None if isinstance(g.kv_cache_spec, MambaSpec) else g.kv_cache_spec.block_size
                   for g in kvc.kv_cache_groups)

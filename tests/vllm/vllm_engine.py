@@ -2,8 +2,9 @@
 
 Everything that decides a size (page sizes, the padded state page, block sizes, group order,
 the cache tensors) is computed by vLLM's own code from a tiny local Qwen3-Next config; these
-helpers only choose the knobs (block size, TP size, number of blocks) and assemble the parts
-the way vLLM's engine core does.
+helpers only choose the knobs (block size, TP size, number of blocks, SSM state dtype) and
+assemble the parts the way vLLM's engine core does. No knob is left to the host: vLLM's CPU
+platform would resolve an ``auto`` SSM dtype by the host's ISA (test_host_decisions.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
 MAX_MODEL_LEN = 2048
+# The tiny model's mamba_ssm_dtype. vLLM reads that field only for Qwen3.5 architectures; for this
+# Qwen3-Next config an unset dtype would be "auto", which the CPU platform resolves by the host.
+SSM_DTYPE = TINY_CONFIG["mamba_ssm_dtype"]
 CONNECTOR = {"kv_connector": "HybridNixlConnector", "kv_connector_module_path": "hybrid_transfer.integrations.vllm"}
 
 
@@ -66,8 +70,9 @@ def write_tiny_model(directory: Path, *, layer_types: list[str] | None = None) -
 def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role: str, extra: dict | None = None,
                      max_num_batched_tokens: int = 4096, engine_id: str | None = None,
                      scheduler_reserve_full_isl: bool = True, kv_load_failure_policy: str = "recompute",
-                     dp_size: int = 1, dp_rank: int = 0) -> VllmConfig:
-    """One engine's config: the tiny model at ``tp_size`` with an explicitly configured block size.
+                     dp_size: int = 1, dp_rank: int = 0, ssm_dtype: str = SSM_DTYPE) -> VllmConfig:
+    """One engine's config: the tiny model at ``tp_size`` with an explicitly configured block size and SSM
+    state dtype (``ssm_dtype``, what ``--mamba-ssm-cache-dtype`` sets).
 
     ``dp_size`` > 1: engine core ``dp_rank`` of a data-parallel endpoint, given its identity as
     vLLM's engine-core launcher does (``dp_engine_identity``).
@@ -78,7 +83,7 @@ def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role:
                            kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=kv_load_failure_policy)
     cfg = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False, mamba_ssm_cache_dtype=ssm_dtype),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
                                          scheduler_reserve_full_isl=scheduler_reserve_full_isl),

@@ -37,6 +37,7 @@ _CACHE_KEYS = (
 )
 KERNEL_MULTIPLE = 16  # FlashAttention's kernel block rule (any multiple of 16), as on a GPU
 DEVICES = ("cpu", "cuda")  # where the caches may live (EngineShape.device)
+SSM_DTYPES = ("float32", "bfloat16", "float16")  # vLLM's --mamba-ssm-cache-dtype but "auto" (a host's choice on CPU)
 
 
 def preset_cache_fields(preset: str) -> dict:
@@ -120,10 +121,23 @@ class EngineShape:
     max_num_seqs: int
     num_threads: int = 0  # UCX thread-pool threads of every NIXL agent (vLLM's num_threads, our num_backend_threads)
     device: str = "cpu"  # where both engines' caches live: "cpu", or "cuda" (GPU 0 for both processes)
+    ssm_dtype: str | None = None  # vLLM's mamba_ssm_cache_dtype; None: the preset's mamba_ssm_dtype
 
     @property
     def max_model_len(self) -> int:
         return max(2048, self.tokens + 64)
+
+    @property
+    def mamba_ssm_cache_dtype(self) -> str:
+        """The SSM state dtype both engines are configured with, never vLLM's ``auto``.
+
+        The config written here names Qwen3-Next, for which vLLM does not read ``mamba_ssm_dtype``, and vLLM's
+        CPU platform resolves ``auto`` by the host (float32 only with AVX-512-BF16, else the model's bfloat16),
+        which changes the state page, the block size and every descriptor length. A Qwen3.5 architecture would
+        take the preset's ``mamba_ssm_dtype``; so does the default here (bfloat16 where it names none, as
+        layout/model.py reads a config without it).
+        """
+        return self.ssm_dtype or preset_cache_fields(self.preset).get("mamba_ssm_dtype", "bfloat16")
 
 
 def connector_transfer_config(connector: str, kv_role: str, shape: EngineShape):
@@ -155,7 +169,7 @@ def build_configs(connector: str, kv_role: str, shape: EngineShape):
     backend = attention_backend()
     model = ModelConfig(model=model_dir(shape.preset, shape.max_model_len), dtype="bfloat16",
                         skip_tokenizer_init=True, max_model_len=shape.max_model_len, enforce_eager=True)
-    cache = CacheConfig(block_size=16, enable_prefix_caching=False)
+    cache = CacheConfig(block_size=16, enable_prefix_caching=False, mamba_ssm_cache_dtype=shape.mamba_ssm_cache_dtype)
     cache.num_gpu_blocks_override = shape.num_blocks
     vc = VllmConfig(
         model_config=model, cache_config=cache,

@@ -31,6 +31,7 @@ from hybrid_transfer.integrations.vllm_peer.model import (
     DEVICES,
     HYBRID,
     HYBRID_PROGRESS,
+    SSM_DTYPES,
     VLLM_NIXL,
     EngineShape,
     blocks_per_request,
@@ -62,6 +63,12 @@ class PeerSpec:
     seed: int = 0
     connectors: tuple[str, ...] = CONNECTORS
     device: str = "cpu"  # where both engines' caches live: "cpu" (DRAM) or "cuda" (GPU 0, both processes)
+    ssm_dtype: str | None = None  # both engines' SSM state dtype (EngineShape.ssm_dtype); None: the preset's
+
+    def shape(self, num_blocks: int) -> EngineShape:
+        """The EngineShape of this run with a pool of ``num_blocks`` blocks."""
+        return EngineShape(self.preset, self.tokens, num_blocks=num_blocks, max_num_seqs=self.concurrency,
+                           num_threads=self.num_threads, device=self.device, ssm_dtype=self.ssm_dtype)
 
     def validate(self) -> PeerSpec:
         for name, low in (("tokens", 1), ("concurrency", 1), ("waves", 1), ("rounds", 1), ("warmup", 1),
@@ -76,6 +83,9 @@ class PeerSpec:
         if self.device not in DEVICES:
             raise ConfigError(f"device {self.device!r}: pick from {', '.join(DEVICES)}", field="device",
                               value=self.device)
+        if self.ssm_dtype is not None and self.ssm_dtype not in SSM_DTYPES:
+            raise ConfigError(f"ssm_dtype {self.ssm_dtype!r}: pick from {', '.join(SSM_DTYPES)}", field="ssm_dtype",
+                              value=self.ssm_dtype)
         return self
 
 
@@ -208,12 +218,9 @@ def engine_shape(spec: PeerSpec) -> EngineShape:
     A wave's blocks stay under our producer's default cap on held blocks (90% of the cache), so both
     connectors run on their defaults.
     """
-    probe = EngineShape(spec.preset, spec.tokens, num_blocks=16, max_num_seqs=spec.concurrency,
-                        num_threads=spec.num_threads, device=spec.device)
-    _, kvc = build_configs(VLLM_NIXL, "kv_both", probe)
+    _, kvc = build_configs(VLLM_NIXL, "kv_both", spec.shape(16))
     num_blocks = -(-blocks_per_request(kvc, spec.tokens) * spec.concurrency * 10 // 9) + 2
-    shape = EngineShape(spec.preset, spec.tokens, num_blocks=num_blocks, max_num_seqs=spec.concurrency,
-                        num_threads=spec.num_threads, device=spec.device)
+    shape = spec.shape(num_blocks)
     # The caches held at once: prefill, decode and the decode process's copy of the source (in host memory).
     cache_bytes = sum(t.size for t in build_configs(VLLM_NIXL, "kv_both", shape)[1].kv_cache_tensors)
     for where, copies, available in _free_memory(spec.device):
@@ -383,7 +390,7 @@ def plain_table(spec: PeerSpec, results: list[ConnectorResult]) -> str:
     head = (f"{spec.preset}, P1 -> D1, {spec.tokens} tokens, {spec.concurrency} requests per wave, {spec.waves} "
             f"timed waves (+{spec.warmup} warm-up) x {spec.rounds} round(s), UCX threads {spec.num_threads}, "
             f"{'GPU 0 VRAM, prefill and decode processes on one GPU' if spec.device == 'cuda' else 'CPU DRAM'}, "
-            "loopback")
+            f"{spec.shape(1).mamba_ssm_cache_dtype} SSM state, loopback")
     rows = [list(COLUMNS)] + table_rows(results)
     widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
     lines = [head, ""] + ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
