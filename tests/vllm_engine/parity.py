@@ -1,0 +1,85 @@
+"""The parity criterion (docs/vllm.md#real-engines): a disaggregated request must decode exactly what the
+aggregated engine decodes when it runs the same split, N-1 prompt tokens in one step and token N in the
+next (split_scheduler.py). Same kernels on the same inputs: every greedy token and every top logprob
+equal, not close. A whole-prompt aggregated run is shown beside it, never used as the reference (the
+split alone moves near-ties on a tiny random model).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import engines
+import numpy as np
+
+MAX_TOKENS = 8
+
+
+def prompt_set(block_size: int) -> dict[str, list[int]]:
+    """At least 12 prompts named by where their N-1 falls against the attention block size."""
+    rng = np.random.default_rng(26)
+    b = block_size
+
+    def rand(n: int) -> list[int]:
+        return [int(x) for x in rng.integers(1, 1000, n)]
+
+    # name -> prompt; N-1 is len - 1
+    return {
+        "n-1=1": rand(2), "n-1=2": rand(3), "issue 17": list(range(100, 117)), "issue 30": list(range(10, 40)),
+        "inside the first block": rand(b // 2 + 6), "a block's next-to-last token": rand(b),
+        "a block's last token": rand(b + 1), "a block's first token": rand(b + 2),
+        "two blocks, inside": rand(b + b // 2 + 1), "two blocks, last token": rand(2 * b + 1),
+        "three blocks, first token": rand(2 * b + 2), "issue [5]*300": [5] * 300,
+        "three blocks, inside": rand(2 * b + 77),
+    }
+
+
+@dataclass
+class Outcome:
+    tokens: list[int]
+    logprobs: list[dict[int, float]]
+    finish_reason: str
+
+
+def outcome(completion: dict) -> Outcome:
+    ids, tops = engines.tokens_of(completion)
+    return Outcome(ids, tops, completion["choices"][0]["finish_reason"])
+
+
+def run_all(fn, items: list, workers: int = 8) -> list:
+    """``fn`` over ``items`` concurrently (several requests in one engine step), results in order."""
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, items))
+
+
+def hand_off(prefill: engines.EngineServer, prompts: list[list[int]]) -> list[dict]:
+    """Prefill every prompt (concurrently) and return each one's kv_transfer_params for decode."""
+    outs = run_all(lambda p: prefill.complete(p, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+                   prompts)
+    return [o["kv_transfer_params"] for o in outs]
+
+
+def disaggregated(prefill, decode, prompts: list[list[int]]) -> list[Outcome]:
+    params = hand_off(prefill, prompts)
+    return run_all(lambda pp: outcome(decode.complete(pp[0], max_tokens=MAX_TOKENS, kv_transfer_params=pp[1])),
+                   list(zip(prompts, params, strict=True)))
+
+
+def aggregated(engine, prompts: list[list[int]]) -> list[Outcome]:
+    return run_all(lambda p: outcome(engine.complete(p, max_tokens=MAX_TOKENS)), prompts)
+
+
+def largest_logprob_difference(a: Outcome, b: Outcome, steps: int | None = None) -> float:
+    """Largest |difference| over the top logprobs both outcomes list, over the first ``steps`` steps."""
+    worst = 0.0
+    for x, y in list(zip(a.logprobs, b.logprobs))[:steps]:
+        for token in x.keys() & y.keys():
+            worst = max(worst, abs(x[token] - y[token]))
+        if x.keys() != y.keys():
+            return float("inf")
+    return worst
+
+
+def equal(a: Outcome, b: Outcome) -> bool:
+    return a.tokens == b.tokens and a.logprobs == b.logprobs
