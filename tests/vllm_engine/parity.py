@@ -73,7 +73,7 @@ def aggregated(engine, prompts: list[list[int]]) -> list[Outcome]:
 def largest_logprob_difference(a: Outcome, b: Outcome, steps: int | None = None) -> float:
     """Largest |difference| over the top logprobs both outcomes list, over the first ``steps`` steps."""
     worst = 0.0
-    for x, y in list(zip(a.logprobs, b.logprobs))[:steps]:
+    for x, y in list(zip(a.logprobs, b.logprobs, strict=False))[:steps]:
         for token in x.keys() & y.keys():
             worst = max(worst, abs(x[token] - y[token]))
         if x.keys() != y.keys():

@@ -30,7 +30,7 @@ def runs(suite):
                      "first_step_logprob_diff": parity.largest_logprob_difference(o, r, 1),
                      "whole_vs_split_first_step": parity.largest_logprob_difference(w, r, 1)})
     (suite.root / "parity.json").write_text(json.dumps(rows, indent=1))
-    print("\nparity (block size %d):" % suite.block_size)
+    print(f"\nparity (block size {suite.block_size}):")
     for row in rows:
         print(f"  {row['prompt']:>28} N-1={row['n_minus_1']:>4} ours={row['ours']} split={row['same_split']} "
               f"whole={row['whole_prompt']} equal={row['equal']} d1={row['first_step_logprob_diff']:.3g}")

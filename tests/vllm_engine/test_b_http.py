@@ -128,7 +128,8 @@ def test_hostile_params_fail_the_request_under_policy_fail_and_the_engine_serves
             prompt, max_tokens=parity.MAX_TOKENS, kv_transfer_params=params))
         finish = (out.get("choices") or [{}])[0].get("finish_reason")
         assert status != 200 or finish == "error", f"{name}: HTTP {status}, finish {finish}: {out}"
-    got = parity.disaggregated(suite.prefill, suite.decode, [prompt])[0]
+    # The honest params still load (a refused forgery of them freed nothing), and decode right.
+    got = parity.outcome(suite.decode.complete(prompt, max_tokens=parity.MAX_TOKENS, kv_transfer_params=honest))
     assert parity.equal(got, reference)
 
 
@@ -139,7 +140,7 @@ def test_hostile_params_recompute_under_policy_recompute(suite, prompt, referenc
         got = parity.outcome(suite.faulty.complete(prompt, max_tokens=parity.MAX_TOKENS, kv_transfer_params=params))
         assert got.finish_reason == "length", name
         assert got.tokens == whole.tokens, (name, got.tokens, whole.tokens)
-    got = parity.disaggregated(suite.prefill, suite.faulty, [prompt])[0]
+    got = parity.outcome(suite.faulty.complete(prompt, max_tokens=parity.MAX_TOKENS, kv_transfer_params=honest))
     assert parity.equal(got, reference)
 
 

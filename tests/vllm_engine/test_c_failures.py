@@ -44,6 +44,8 @@ def prompt(suite):
 
 
 def test_a_client_that_disconnects_during_a_stalled_load_leaves_no_held_block(suite, prompt):
+    # Every earlier test consumed what it handed off: nothing is held before this one.
+    wait_for("no block held before the test", lambda: suite.prefill.metric(HELD) == 0)
     params = parity.hand_off(suite.prefill, [prompt])[0]
     wait_for("prefill reports the held blocks", lambda: suite.prefill.metric(HELD) > 0)
     suite.prefill.signal_group(signal.SIGSTOP)
