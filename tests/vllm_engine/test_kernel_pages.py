@@ -82,7 +82,6 @@ def _prefill(pipe, interior: str) -> None:
 
 
 def _decode(pipe, interior: str, out) -> None:
-    import torch
 
     from hybrid_transfer import Consumer, HybridCache
 
