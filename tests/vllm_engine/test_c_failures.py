@@ -1,8 +1,10 @@
 """Failures in real engines: a client that leaves while its load is stalled, and a prefill engine killed
-while decode engines load from it. Runs last among the engine tests: it kills the prefill engine.
+while decode engines load from it. It kills a spare prefill engine.
 
-A loopback read of a tiny model takes under a millisecond, so each load is stalled on purpose: the
-prefill engine's whole process group is stopped (SIGSTOP) before decode is asked to load.
+A loopback read of a tiny model takes under a millisecond, so each load is stalled on purpose: a prefill
+engine no decode engine has linked with yet (a spare of conftest.py) has its whole process group stopped
+(SIGSTOP) before decode is asked to load, so the load waits in its first handshake. (A linked engine would
+not stall it: UCX reads a stopped process's memory on loopback.)
 """
 
 from __future__ import annotations
@@ -44,11 +46,11 @@ def prompt(suite):
 
 
 def test_a_client_that_disconnects_during_a_stalled_load_leaves_no_held_block(suite, prompt):
-    # Every earlier test consumed what it handed off: nothing is held before this one.
-    wait_for("no block held before the test", lambda: suite.prefill.metric(HELD) == 0)
-    params = parity.hand_off(suite.prefill, [prompt])[0]
-    wait_for("prefill reports the held blocks", lambda: suite.prefill.metric(HELD) > 0)
-    suite.prefill.signal_group(signal.SIGSTOP)
+    spare = suite.spare_a
+    params = parity.hand_off(spare, [prompt])[0]
+    wait_for("prefill reports the held blocks", lambda: spare.metric(HELD) > 0)
+    reads = suite.decode.metric("vllm:hybrid_transfer_reads_total")
+    spare.signal_group(signal.SIGSTOP)
     try:
         conn = open_stream(suite.decode, engines.completion_body(prompt, max_tokens=parity.MAX_TOKENS,
                                                                  kv_transfer_params=params))
@@ -57,29 +59,31 @@ def test_a_client_that_disconnects_during_a_stalled_load_leaves_no_held_block(su
         conn.close()
         time.sleep(1.0)
     finally:
-        suite.prefill.signal_group(signal.SIGCONT)
-    wait_for("prefill's held blocks back to 0", lambda: suite.prefill.metric(HELD) == 0)
+        spare.signal_group(signal.SIGCONT)
+    wait_for("prefill's held blocks back to 0", lambda: spare.metric(HELD) == 0)
+    assert suite.decode.metric("vllm:hybrid_transfer_reads_total") == reads  # the load never finished
     reference = parity.aggregated(suite.reference, [prompt])[0]
-    got = parity.disaggregated(suite.prefill, suite.decode, [prompt])[0]
-    assert parity.equal(got, reference)  # decode serves on, right
+    got = parity.disaggregated(spare, suite.decode, [prompt])[0]
+    assert parity.equal(got, reference)  # decode serves on, right, also from that engine
 
 
 def test_a_prefill_engine_killed_mid_load_ends_those_requests_by_policy(suite, prompt):
+    spare = suite.spare_b
     whole = parity.aggregated(suite.prefill, [prompt])[0]
-    params = parity.hand_off(suite.prefill, [prompt, prompt])
+    params = parity.hand_off(spare, [prompt, prompt])
     results: dict[str, object] = {}
 
     def load(name: str, server: engines.EngineServer, p: dict) -> None:
         results[name] = server.post("/v1/completions", engines.completion_body(
             prompt, max_tokens=parity.MAX_TOKENS, kv_transfer_params=p))
 
-    suite.prefill.signal_group(signal.SIGSTOP)
+    spare.signal_group(signal.SIGSTOP)
     threads = [threading.Thread(target=load, args=("fail", suite.decode, params[0])),
                threading.Thread(target=load, args=("recompute", suite.faulty, params[1]))]
     for t in threads:
         t.start()
     time.sleep(2.0)  # both loads are waiting on the stopped engine
-    suite.prefill.close()  # SIGKILL to the whole group
+    spare.close()  # SIGKILL to the whole group
     for t in threads:
         t.join(timeout=120)
     status, out = results["fail"]
