@@ -46,6 +46,8 @@ from tiny_weights import write_model  # noqa: E402
 FAULT_TOKENS = {"zero_state": 301, "skip_block": 302, "other_state": 303}
 # The decode engines' deadlines, short enough for the failure tests (defaults: 10 s and 60 s).
 DECODE_EXTRA = {"handshake_timeout_s": 5.0, "read_deadline_s": 15.0}
+# The spares' lease (default 120 s): a hold no decode engine could decline ends this soon after.
+SPARE_EXTRA = {"lease_s": 20.0}
 
 
 def _close_all() -> None:
@@ -74,8 +76,9 @@ class Suite:
                                            env={"HT_TEST_FAULTS": faults})
         self.reference = engines.EngineServer("reference", self.model, root, args=[
             "--scheduler-cls", "split_scheduler.SplitAtNMinusOneScheduler", "--max-num-seqs", "1"])
-        self.spare_a = engines.EngineServer("spare_a", self.model, root, kv=engines.kv_config("kv_producer"))
-        self.spare_b = engines.EngineServer("spare_b", self.model, root, kv=engines.kv_config("kv_producer"))
+        spare = engines.kv_config("kv_producer", extra=SPARE_EXTRA)
+        self.spare_a = engines.EngineServer("spare_a", self.model, root, kv=spare)
+        self.spare_b = engines.EngineServer("spare_b", self.model, root, kv=spare)
         engines.start_all([self.prefill, self.decode, self.faulty, self.reference, self.spare_a, self.spare_b])
         self.start_s = time.monotonic() - t0
         self.block_size = block_size_of(self.prefill)

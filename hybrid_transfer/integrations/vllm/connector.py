@@ -187,6 +187,16 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler.finished_decode(request)
         return False, None
 
+    def has_pending_push_work(self) -> bool:
+        """Keep an idle engine stepping while it holds blocks for decode engines.
+
+        A prefill engine with nothing to compute does not step, and its workers act on completions,
+        declines and lease expiries only in a step (``get_transfer_results``): held blocks then stayed
+        pinned until the next request arrived (seen in the real-engine suite). vLLM steps while this is
+        True (0.32 and 0.33 ``Scheduler.has_requests``); the steps are empty and end with the last hold.
+        """
+        return self._scheduler is not None and self._scheduler.holds_blocks()
+
     def take_events(self):
         return ()
 

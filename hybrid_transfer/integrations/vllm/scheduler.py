@@ -281,6 +281,10 @@ class SchedulerSide:
         self._holds, self._reads, self._aborts, self._declines, self._fails = {}, {}, [], {}, {}
         return meta
 
+    def holds_blocks(self) -> bool:
+        """Whether a handed-off request's blocks are still pinned (until every worker reports it sent)."""
+        return bool(self._held)
+
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         for rid in output.finished_recving or ():
             self._reading.discard(rid)
