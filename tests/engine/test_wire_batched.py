@@ -22,8 +22,8 @@ BATCHED = [
 ]
 
 
-def test_the_protocol_is_version_8():
-    assert wire.PROTOCOL_VERSION == 8
+def test_the_protocol_is_version_9():
+    assert wire.PROTOCOL_VERSION == 9  # 8 batched reads per step; 9 added kv_interior (issue 26)
     assert (wire.Kind.CLAIMS, wire.Kind.CLAIM_REPLIES, wire.Kind.COMPLETIONS) == (15, 16, 17)
 
 
