@@ -238,20 +238,19 @@ class WorkerSide:
         rem = end % g.block_size
         if rem == 0:
             return
-        ratio, kbs = g.kernel_ratio, g.kernel_block_size
-        first_kernel, within = divmod(rem, kbs)  # within > 0 only on a token-major interior
+        ratio = g.kernel_ratio
+        first_kernel, within = divmod(rem, g.kernel_block_size)  # within > 0 only on a token-major interior
         for group_index, is_attention in enumerate(self.engine.group_map.attention_mask):
             if not is_attention:
                 continue
             block = order.local_block_ids[group_index][n // g.block_size]
-            base = block * ratio + first_kernel
+            partial = block * ratio + first_kernel  # the kernel page holding the last token, if it is cut
+            unmoved = partial + (within > 0)  # the first kernel page no byte of the read reached
             for layer in g.tensor_map.groups[group_index].layers:
                 view = self.engine.attention_views[layer]  # [kernel blocks, heads, tokens, K|V]
                 if within:
-                    view[base, :, within:].zero_()
-                    view[base + 1: block * ratio + ratio].zero_()
-                else:
-                    view[base: block * ratio + ratio].zero_()
+                    view[partial, :, within:].zero_()
+                view[unmoved: block * ratio + ratio].zero_()
 
     def _zero_attention_blocks(self, order: ReadOrder) -> None:
         """A failed read may have filled part of its blocks, and vLLM skipped zeroing them: zero them whole.
