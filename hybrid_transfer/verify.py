@@ -56,10 +56,14 @@ class PatternKind(enum.IntEnum):
 
 
 class RequestLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One request's blocks on one engine: ids per cache group (tensor_map.groups order) and its token count."""
+    """One request's blocks on one engine: ids per cache group (tensor_map.groups order) and its token count.
+
+    ``first_token``: on a consumer, the tokens [0, first_token) it already held (a prefix hit, on a block
+    boundary): a correct transfer leaves their blocks untouched."""
 
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
+    first_token: int = 0
 
 
 # ---- the hash ---------------------------------------------------------------
@@ -179,6 +183,10 @@ def _check_request(cache: HybridCache, request: RequestLayout) -> None:
     if len(request.block_ids) != len(groups):
         raise ConfigError(f"request lists {len(request.block_ids)} groups, the cache has {len(groups)}",
                           field="block_ids", value=request.block_ids)
+    first = request.first_token
+    if not isinstance(first, int) or not 0 <= first <= n or first % g.block_size:
+        raise ConfigError(f"first_token={first!r} must be a multiple of the block size {g.block_size} in "
+                          f"[0, num_tokens={n}]", field="first_token", value=first)
     need = g.num_blocks_for_tokens(n)
     for index, (group, ids) in enumerate(zip(groups, request.block_ids, strict=True)):
         if group.kind is LayerKind.ATTENTION and len(ids) < need:
@@ -271,8 +279,9 @@ def _int_view(t: torch.Tensor) -> torch.Tensor:
 
 
 def _write_attention(cache: HybridCache, layer: int, block_ids: Sequence[int], num_tokens: int, seed: int,
-                     poison_byte: int) -> None:
-    """Pattern for request tokens [0, num_tokens) of one layer, token t at block t // B, position t % B.
+                     poison_byte: int, first_token: int = 0) -> None:
+    """Pattern for request tokens [first_token, num_tokens) of one layer, token t at block t // B, position t % B
+    (``first_token``: a multiple of B).
 
     Written through the layout-free ``k`` / ``v`` views, so the oracle is the same for every KV layout.
     """
@@ -286,7 +295,7 @@ def _write_attention(cache: HybridCache, layer: int, block_ids: Sequence[int], n
     num_full, rem = divmod(num_tokens, bs)
     keys = _kv_head_keys(seed, layer, heads, device).view(2, 1, 1, nh, 1)
     step = max(1, _CHUNK_ELEMS // (2 * nh * bs * hd))
-    for i0 in range(0, num_full, step):
+    for i0 in range(first_token // bs, num_full, step):
         i1 = min(num_full, i0 + step)
         # Rows in page order [K/V, block, kernel block, head, token]: no permuted copy afterwards.
         tokens = torch.arange(i0 * bs, i1 * bs, dtype=torch.int64, device=device).view(i1 - i0, ratio, 1, kbs)
@@ -362,7 +371,7 @@ def expected_destination_many(cache_like: HybridCache, requests: Sequence[tuple[
                               poison_byte: int = POISON_BYTE) -> list[torch.Tensor]:
     """Raw bytes of every shared tensor of a consumer rank after correct transfers of (request, seed) pairs.
 
-    Poison everywhere except, per request, valid tokens (t < num_tokens; on an interior that is not
+    Poison everywhere except, per request, valid tokens (first_token <= t < num_tokens; on an interior that is not
     token-major, every token of a kernel page holding one: docs/attention-layouts.md) at this rank's KV heads and,
     when num_tokens > 0, the state at this rank's conv channels and value heads. Padding stays poison.
     """
@@ -376,7 +385,8 @@ def expected_destination_many(cache_like: HybridCache, requests: Sequence[tuple[
         for group, ids in zip(g.tensor_map.groups, request.block_ids, strict=True):
             for layer in group.layers:
                 if group.kind is LayerKind.ATTENTION:  # a partial kernel page of an opaque interior moves whole
-                    _write_attention(clone, layer, ids, g.moved_token_end(request.num_tokens), seed, poison_byte)
+                    _write_attention(clone, layer, ids, g.moved_token_end(request.num_tokens), seed, poison_byte,
+                                     request.first_token)
                 elif request.num_tokens > 0:
                     _write_state(clone, layer, ids[0], seed, poison_byte)
     return clone.tensors

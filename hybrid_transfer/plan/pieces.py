@@ -43,17 +43,20 @@ class SegmentFrame:
         return int(self.head_bytes.shape[0])
 
 
-def segment_frame(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> SegmentFrame:
-    """Cut [0, num_tokens) at multiples of both kernel block sizes (logical blocks end on those too).
+def segment_frame(num_tokens: int, local: RankGeometry, remote: RankGeometry, first_token: int = 0) -> SegmentFrame:
+    """Cut [first_token, num_tokens) at multiples of both kernel block sizes (logical blocks end on those too).
 
     ``num_tokens`` is the end of the token range to move: the request's tokens, or for naive mode
-    the end of the last page both sides hold (``naive_token_end``).
+    the end of the last page both sides hold (``naive_token_end``). ``first_token`` is where it starts: 0, or
+    the end of a decode-side prefix hit (docs/planner.md#prefix-hits). Block positions stay absolute: each
+    side indexes its whole block-id list.
     """
-    n = num_tokens
+    n, s = num_tokens, first_token
     kb_l, kb_r = local.kernel_block_size, remote.kernel_block_size
-    cuts = np.union1d(np.arange(kb_l, n, kb_l, dtype=np.int64), np.arange(kb_r, n, kb_r, dtype=np.int64))
-    t0 = np.concatenate((np.zeros(1, dtype=np.int64), cuts)) if n > 0 else np.empty(0, dtype=np.int64)
-    t1 = np.concatenate((cuts, np.array([n], dtype=np.int64))) if n > 0 else np.empty(0, dtype=np.int64)
+    cuts = np.union1d(np.arange((s // kb_l + 1) * kb_l, n, kb_l, dtype=np.int64),
+                      np.arange((s // kb_r + 1) * kb_r, n, kb_r, dtype=np.int64))
+    t0 = np.concatenate((np.array([s], dtype=np.int64), cuts)) if n > s else np.empty(0, dtype=np.int64)
+    t1 = np.concatenate((cuts, np.array([n], dtype=np.int64))) if n > s else np.empty(0, dtype=np.int64)
 
     def side(geo: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
         block = t0 // geo.block_size
@@ -67,17 +70,17 @@ def segment_frame(num_tokens: int, local: RankGeometry, remote: RankGeometry) ->
     return SegmentFrame(n, lb, lc, rb, rc, (t1 - t0) * local.kv_token_stride)
 
 
-def last_cut(num_tokens: int, local: RankGeometry, remote: RankGeometry) -> int:
-    """Start of ``segment_frame(num_tokens, ...)``'s last segment: the largest kernel-block boundary of either
-    side below ``num_tokens`` (0 when there is none).
+def last_cut(num_tokens: int, local: RankGeometry, remote: RankGeometry, first_token: int = 0) -> int:
+    """Start of ``segment_frame(num_tokens, ..., first_token)``'s last segment: the largest kernel-block boundary
+    of either side below ``num_tokens``, or ``first_token`` when that is later (0 when there is none).
 
     Token ends with the same last cut share every segment but the last one's length, so they share a
     Recipe up to ``Recipe.with_tail`` (docs/planner.md#per-request-cost).
     """
-    if num_tokens <= 0:
-        return 0
+    if num_tokens <= first_token:
+        return first_token
     kb_l, kb_r = local.kernel_block_size, remote.kernel_block_size
-    return max((num_tokens - 1) // kb_l * kb_l, (num_tokens - 1) // kb_r * kb_r)
+    return max((num_tokens - 1) // kb_l * kb_l, (num_tokens - 1) // kb_r * kb_r, first_token)
 
 
 def structure_end(cut: int, local: RankGeometry, remote: RankGeometry) -> int:

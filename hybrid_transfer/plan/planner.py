@@ -188,26 +188,31 @@ class Planner:
         """Producer ranks to notify after every request, with the consumer count each must expect."""
         return self._notify
 
-    def expected_bytes(self, num_tokens: int) -> int:
+    def expected_bytes(self, num_tokens: int, first_token: int = 0) -> int:
         """Valid payload bytes this rank receives for a request (``validate.expected_bytes``, precomputed)."""
-        return num_tokens * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
+        return (num_tokens - first_token) * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
 
-    def planned_bytes(self, num_tokens: int, mode: PlanMode = PlanMode.COALESCED) -> int:
+    def planned_bytes(self, num_tokens: int, mode: PlanMode = PlanMode.COALESCED, first_token: int = 0) -> int:
         """Bytes a plan of ``mode`` moves: the valid payload, except naive, which moves whole pages like vLLM,
         and a partial kernel page of an interior that is not token-major, which moves whole."""
         if PlanMode(mode) is PlanMode.NAIVE:
             end = naive_token_end(num_tokens, self.local, self.remote)
         else:
             end = self.local.moved_token_end(num_tokens)
-        return end * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
+        return (end - first_token) * self._kv_bytes_per_token + (self._state_bytes if num_tokens > 0 else 0)
 
     def plan(self, local_block_ids: Sequence[Sequence[int]], remote_block_ids: Sequence[Sequence[int]],
              num_tokens: int, mode: PlanMode = PlanMode.COALESCED, *, validate: bool = True,
-             cost: CostModel | None = None) -> ReadPlan:
+             cost: CostModel | None = None, first_token: int = 0) -> ReadPlan:
         """Plan one request: block ids per cache group (tensor_map.groups order) on each side.
 
         In pack mode (and for the sources ``auto`` packs, decided by ``cost`` or this planner's cost
         model) each source's plan is the path the engine runs: see PackSourcePlan.
+
+        ``first_token`` > 0: the decode side already holds tokens [0, first_token) (a local prefix hit, on a
+        local block boundary): only the attention bytes of [first_token, num_tokens) move, and the state at
+        ``num_tokens``; both id lists still cover the whole request. Such a plan is direct (coalesced), never
+        packed (docs/planner.md#prefix-hits).
 
         Raises:
             PlanError: when ``validate``, a subclass naming the bad values (GroupCountError,
@@ -216,6 +221,7 @@ class Planner:
         """
         mode = PlanMode(mode)
         num_tokens = _token_count(num_tokens)
+        first_token = self._first_token(first_token, num_tokens, mode)
         num_groups = len(self._kinds)
         local_ids = block_id_arrays("local", local_block_ids, num_groups)
         remote_ids = block_id_arrays("remote", remote_block_ids, num_groups)
@@ -227,29 +233,33 @@ class Planner:
                                self._remote_num_blocks, exact=True, flat=flat_r)
         sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
         if num_tokens > 0:
-            sources = self._build_sources(num_tokens, local_ids, remote_ids, flat_l, flat_r, mode, cost or self.cost)
-        plan = self._read_plan(sources, num_tokens, mode)
+            sources = self._build_sources(num_tokens, local_ids, remote_ids, flat_l, flat_r, mode, cost or self.cost,
+                                          first_token)
+        plan = self._read_plan(sources, num_tokens, mode, first_token)
         if validate:
             validate_plan(plan, self._local_regions, self._remote_regions)
         return plan
 
     def plan_many(self, items: Sequence[tuple], mode: PlanMode = PlanMode.COALESCED, *,
                   cost: CostModel | None = None) -> list[ReadPlan | PlanError]:
-        """``plan`` for every (local ids, remote ids, num_tokens) of a step: a plan, or the PlanError ``plan``
-        raises for that request alone. The id and plan checks run once over the whole step
+        """``plan`` for every (local ids, remote ids, num_tokens[, first_token]) of a step: a plan, or the PlanError
+        ``plan`` raises for that request alone. The id and plan checks run once over the whole step
         (plan/batch_checks.py); a request they flag is checked again alone for its exact error."""
         mode = PlanMode(mode)
         if len(items) == 1:  # nothing to share: the one-request path has no batch set-up to pay
+            local, remote, n, *first = items[0]
             try:
-                return [self.plan(*items[0], mode, cost=cost)]
+                return [self.plan(local, remote, n, mode, cost=cost, first_token=first[0] if first else 0)]
             except PlanError as exc:
                 return [exc]
         out: list[ReadPlan | PlanError | None] = [None] * len(items)
-        ok, lo, ro, counts = [], [], [], []  # the requests whose ids convert: index, local, remote, token count
-        for i, (local, remote, n) in enumerate(items):
+        ok, lo, ro, counts, firsts = [], [], [], [], []  # the requests whose ids convert: index, ids, token range
+        for i, (local, remote, n, *first) in enumerate(items):
             try:
-                parsed = (_token_count(n), block_id_arrays("local", local, len(self._kinds)),
-                          block_id_arrays("remote", remote, len(self._kinds)))
+                count = _token_count(n)
+                parsed = (count, block_id_arrays("local", local, len(self._kinds)),
+                          block_id_arrays("remote", remote, len(self._kinds)),
+                          self._first_token(first[0] if first else 0, count, mode))
             except PlanError as exc:
                 out[i] = exc
                 continue
@@ -257,6 +267,7 @@ class Planner:
             counts.append(parsed[0])
             lo.append(parsed[1])
             ro.append(parsed[2])
+            firsts.append(parsed[3])
         fl, fr = [_flat(ids) for ids in lo], [_flat(ids) for ids in ro]
         bad_l = check_ids("local", lo, fl, counts, self._kinds, self.local.block_size, self.local_desc.num_blocks,
                           exact=False)
@@ -267,44 +278,65 @@ class Planner:
             if bad_l[j] or bad_r[j]:
                 out[i] = bad_l[j] or bad_r[j]
                 continue
-            sources = (self._build_sources(counts[j], lo[j], ro[j], fl[j], fr[j], mode, cost or self.cost)
+            sources = (self._build_sources(counts[j], lo[j], ro[j], fl[j], fr[j], mode, cost or self.cost, firsts[j])
                        if counts[j] > 0 else ())
-            planned.append((i, self._read_plan(sources, counts[j], mode)))
+            planned.append((i, self._read_plan(sources, counts[j], mode, firsts[j])))
         for (i, plan), error in zip(planned, check_plans([p for _, p in planned], self._local_regions,
                                                           self._remote_regions), strict=True):
             out[i] = error or plan
         return out  # type: ignore[return-value]
 
-    def _read_plan(self, sources: Sequence[SourcePlan | PackSourcePlan], num_tokens: int, mode: PlanMode) -> ReadPlan:
+    def _first_token(self, first_token: object, num_tokens: int, mode: PlanMode) -> int:
+        """A prefix hit's end, checked: on a local block boundary and within the request; naive mode moves whole
+        requests only. (An interior that is not token-major has one kernel block size on both sides,
+        ``_check_opaque_interior``, so a local block boundary is a kernel page boundary of both.)"""
+        first = _token_count(first_token, "first_token")
+        if not first:
+            return 0
+        reason = None
+        if first > num_tokens:
+            reason = f"is past the request's {num_tokens} tokens"
+        elif first % self.local.block_size:
+            reason = f"is not on a local block boundary (block size {self.local.block_size})"
+        elif mode is PlanMode.NAIVE:
+            reason = "cannot start a naive plan, which moves whole requests"
+        if reason is not None:
+            raise PlanError(f"first_token={first} {reason}", first_token=first, num_tokens=num_tokens)
+        return first
+
+    def _read_plan(self, sources: Sequence[SourcePlan | PackSourcePlan], num_tokens: int, mode: PlanMode,
+                   first_token: int = 0) -> ReadPlan:
         return ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
             sources=tuple(sources),
             notify=self._notify,
             num_tokens=num_tokens,
-            expected_bytes=self.planned_bytes(num_tokens, mode),
+            expected_bytes=self.planned_bytes(num_tokens, mode, first_token),
             meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
-                  "valid_bytes": self.expected_bytes(num_tokens), "kv_layout": self.local.kv_layout.value},
+                  "valid_bytes": self.expected_bytes(num_tokens, first_token), "kv_layout": self.local.kv_layout.value,
+                  "first_token": first_token},
         )
 
-    def _frame(self, token_end: int) -> SegmentFrame:
-        frame = self._frames.get(token_end)
+    def _frame(self, token_end: int, first_token: int = 0) -> SegmentFrame:
+        key = (token_end, first_token)
+        frame = self._frames.get(key)
         if frame is None:
             if len(self._frames) >= _FRAME_CACHE_SIZE:
                 self._frames.pop(next(iter(self._frames)))
-            frame = self._frames[token_end] = segment_frame(token_end, self.local, self.remote)
+            frame = self._frames[key] = segment_frame(token_end, self.local, self.remote, first_token)
         return frame
 
     def _recipe(self, token_end: int, naive: bool, local_lens: tuple[int, ...],
-                remote_lens: tuple[int, ...]) -> Recipe:
-        cut = last_cut(token_end, self.local, self.remote)
-        key = (cut, naive, local_lens, remote_lens)
+                remote_lens: tuple[int, ...], first_token: int = 0) -> Recipe:
+        cut = last_cut(token_end, self.local, self.remote, first_token)
+        key = (cut, naive, local_lens, remote_lens, first_token)
         rec = self._recipes.get(key)
         if rec is None:
             if len(self._recipes) >= _FRAME_CACHE_SIZE:
                 self._recipes.pop(next(iter(self._recipes)))
-            rec = self._recipes[key] = recipe(self._frame(token_end), self._kv, self._state, self._attn_groups,
-                                              self._gdn_groups, local_lens, remote_lens, naive)
+            rec = self._recipes[key] = recipe(self._frame(token_end, first_token), self._kv, self._state,
+                                              self._attn_groups, self._gdn_groups, local_lens, remote_lens, naive)
             return rec
         return rec.with_tail((token_end - cut) * self._kv_stride)
 
@@ -387,7 +419,8 @@ class Planner:
         return ([int(c) for c in counts if c], [int(b) for c, b in zip(counts, nbytes, strict=True) if c])
 
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
-                       flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel) -> tuple[SourcePlan | PackSourcePlan, ...]:
+                       flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel,
+                       first_token: int = 0) -> tuple[SourcePlan | PackSourcePlan, ...]:
         """Pieces of every source at once (the shape's cached recipe over ``flat_*``, the id lists concatenated),
         one merge, one broadcast over tensors, then one plan per source."""
         naive = mode is PlanMode.NAIVE
@@ -397,7 +430,7 @@ class Planner:
         token_end = naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens
         local_lens = tuple(a.shape[0] for a in local_ids)
         remote_lens = tuple(a.shape[0] for a in remote_ids)
-        rec = self._recipe(token_end, naive, local_lens, remote_lens)
+        rec = self._recipe(token_end, naive, local_lens, remote_lens, first_token)
         pieces = rec.pieces(flat_l, flat_r, self._local_page, self._remote_page)
         rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
         num_sources = len(self.templates)
@@ -414,8 +447,9 @@ class Planner:
         length = rel_len[None, :].repeat(loc.shape[0], axis=0)
         out: list[SourcePlan | PackSourcePlan] = []
         ld = self.local_desc.device_id
-        packs = mode is PlanMode.PACK or (mode is PlanMode.AUTO and self._auto_packs(num_tokens, local_lens,
-                                                                                     remote_lens, cost))
+        # A prefix hit's read starts past token 0, where no staging layout starts: it stays direct.
+        packs = not first_token and (mode is PlanMode.PACK or (
+            mode is PlanMode.AUTO and self._auto_packs(num_tokens, local_lens, remote_lens, cost)))
         for i, tpl in enumerate(self.templates):
             a, b = bounds[i], bounds[i + 1]
             if a == b:
@@ -431,10 +465,10 @@ class Planner:
         return tuple(out)
 
 
-def _token_count(num_tokens: object) -> int:
-    """A request's token count as an int; a PlanError naming it when it is not a non-negative integer."""
-    if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
-        raise PlanError(f"num_tokens={num_tokens!r} must be a non-negative integer", num_tokens=num_tokens)
+def _token_count(num_tokens: object, name: str = "num_tokens") -> int:
+    """A token count as an int; a PlanError naming it when it is not a non-negative integer."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
+        raise PlanError(f"{name}={num_tokens!r} must be a non-negative integer", **{name: num_tokens})
     return int(num_tokens)
 
 

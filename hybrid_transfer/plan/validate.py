@@ -42,8 +42,9 @@ class ExpectedBytes:
         self.kv_bytes_per_token = local.kv_bytes_per_token * len(local.model.attention_layers)
         self.state_bytes = local.state_bytes_per_request
 
-    def __call__(self, num_tokens: int) -> int:
-        return num_tokens * self.kv_bytes_per_token + (self.state_bytes if num_tokens > 0 else 0)
+    def __call__(self, num_tokens: int, first_token: int = 0) -> int:
+        """Tokens [first_token, num_tokens) and the state at num_tokens (docs/planner.md#prefix-hits)."""
+        return (num_tokens - first_token) * self.kv_bytes_per_token + (self.state_bytes if num_tokens > 0 else 0)
 
 
 def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: int) -> list[np.ndarray]:

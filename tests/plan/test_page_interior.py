@@ -89,3 +89,4 @@ def test_the_interior_travels_in_the_rank_descriptor():
     assert geometry_from_descriptor(m, desc).kv_interior == CPU
     older = RankDescriptor(**{f: getattr(desc, f) for f in RankDescriptor.__struct_fields__ if f != "kv_interior"})
     assert older.kv_interior == TOKEN_MAJOR  # a field added last with a default (wire version 9)
+

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
@@ -199,3 +200,34 @@ def test_every_plan_moves_exactly_the_right_bytes(s):
     for notes in heard.values():
         assert len({r for r, _ in notes}) == len(notes)
         assert {e for _, e in notes} == {len(notes)}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(scenarios(), st.data())
+def test_a_prefix_hit_moves_only_the_tokens_past_it_and_the_state(s, data):
+    """The decode side holds [0, F) already (a local prefix hit, F on one of its block boundaries): the plan
+    writes no byte of those blocks, every byte of [F, n) and the state, and nothing else."""
+    assume(s["mode"] is not PlanMode.NAIVE)
+    rng = np.random.default_rng(s["seed"])
+    model, n = s["model"], s["tokens"]
+    pre, pre_descs, pre_req = engine(model, s["p"], s["prefill"], n, s["spare"], rng, s["fragmentation"])
+    dec, dec_descs, dec_req = engine(model, s["d"], s["decode"], n, s["spare"], rng, s["fragmentation"],
+                                     s["extra_local"])
+    block = dec[0].geometry.block_size
+    first = block * data.draw(st.integers(0, n // block), label="hit blocks")
+    hit = msgspec.structs.replace(dec_req, first_token=first)
+    for cache in pre:
+        poison(cache)
+        fill_source(cache, pre_req, s["seed"])
+    remotes = {r: memory_space(c, f"prefill {r}") for r, c in enumerate(pre)}
+    for rank, cache in enumerate(dec):
+        poison(cache)
+        planner = Planner(model, dec_descs[rank], pre_descs)
+        plan = planner.plan(dec_req.block_ids, pre_req.block_ids, n, s["mode"], first_token=first)
+        assert plan.total_bytes == plan.expected_bytes
+        moved = cache.geometry.moved_token_end(n)
+        assert plan.expected_bytes == planner.expected_bytes(moved, first)
+        if first:
+            assert not any(isinstance(src, PackSourcePlan) for src in plan.sources)
+        execute(plan, memory_space(cache, f"decode {rank}"), remotes)
+        check_destination(cache, hit, s["seed"])
