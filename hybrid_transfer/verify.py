@@ -199,15 +199,17 @@ def _check_request(cache: HybridCache, request: RequestLayout) -> None:
             if not isinstance(b, (int, np.integer)) or not 0 <= b < cache.num_blocks:
                 raise ConfigError(f"block id {b!r} of group {index} out of range [0, {cache.num_blocks})",
                                   field="block_ids", value=b)
-    _check_unique([request])
+    _check_unique(g, [request])
 
 
-def _check_unique(requests: Sequence[RequestLayout]) -> None:
+def _check_unique(g: RankGeometry, requests: Sequence[RequestLayout]) -> None:
+    """No block written twice; a prefix hit's attention blocks are not written, and requests may share them."""
     seen: set[int] = set()
     repeated: set[int] = set()
     for request in requests:
-        for ids in request.block_ids:
-            for b in ids:
+        hit = request.first_token // g.block_size
+        for group, ids in zip(g.tensor_map.groups, request.block_ids, strict=True):
+            for b in ids[hit:] if group.kind is LayerKind.ATTENTION else ids:
                 (repeated if b in seen else seen).add(b)
     if repeated:
         raise ConfigError(f"block ids repeat across groups or requests: {sorted(repeated)}", field="block_ids",
@@ -378,7 +380,7 @@ def expected_destination_many(cache_like: HybridCache, requests: Sequence[tuple[
     g = cache_like.geometry
     for request, _ in requests:
         _check_request(cache_like, request)
-    _check_unique([r for r, _ in requests])
+    _check_unique(g, [r for r, _ in requests])
     clone = HybridCache.allocate(g, cache_like.num_blocks, device=cache_like.device)
     poison(clone, poison_byte)
     for request, seed in requests:

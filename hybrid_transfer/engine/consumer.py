@@ -79,6 +79,7 @@ from hybrid_transfer.errors import (
     UnsupportedError,
 )
 from hybrid_transfer.layout.fingerprint import fingerprint_of
+from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.types import ReadPlan
 from hybrid_transfer.plan.validate import ExpectedBytes, block_id_arrays, validate_block_ids
@@ -256,8 +257,13 @@ class Consumer(ProducerNotes):
         return errors
 
     def start_read(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]], *,
-                   expected_state_position: int | None = None) -> None:
+                   expected_state_position: int | None = None, first_token: int = 0) -> None:
         """Plan, validate and post one READ per source rank of ``ticket``; returns without waiting.
+
+        ``first_token``: this rank already holds tokens [0, first_token) in the first blocks of each
+        attention list (a local prefix hit, on a local block boundary): only the tokens past it and the
+        state are read, and the hit's blocks are neither owned nor written (docs/planner.md#prefix-hits).
+        The lists still cover the whole request.
 
         Checked before any socket, connect or pin: every field of the ticket (engine/inputs.py), its
         addresses against ``EngineConfig.allowed_producers``, and its MAC (an edited ticket is
@@ -279,31 +285,36 @@ class Consumer(ProducerNotes):
                 quarantined until nothing can write it).
         """
         self._check_open()
-        item = self._admit(ticket, local_block_ids_per_group, expected_state_position)
+        item = self._admit(ticket, local_block_ids_per_group, expected_state_position, first_token)
         if item is not None:
             self._post(*item, self._clock())
         self._flush()
 
     def _admit(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]],
-               expected_state_position: int | None = None) -> tuple | None:
+               expected_state_position: int | None = None, first_token: int = 0) -> tuple | None:
         """start_read's checks and bookkeeping; (request, plan) when it can be posted now (raises as start_read)."""
-        c = self._check(ticket, local_block_ids_per_group, expected_state_position)
-        return self._register(c, self._plan(c.ticket, c.ids, c.known) if c.ready else None)
+        c = self._check(ticket, local_block_ids_per_group, expected_state_position, first_token)
+        return self._register(c, self._plan(c.ticket, c.ids, c.known, c.first_token) if c.ready else None)
 
     def _check(self, ticket: wire.Ticket, local_block_ids_per_group: Sequence[Sequence[int]],
-               expected_state_position: int | None = None) -> read_batch.Checked:
+               expected_state_position: int | None = None, first_token: int = 0) -> read_batch.Checked:
         """A request's own checks, before anything is registered or planned (raises as start_read)."""
         self._check_open()
         ticket = inputs.ticket(ticket)  # every field's type, range, size and address syntax (engine/inputs.py)
         if expected_state_position is not None:
             expected_state_position = inputs.count("expected_state_position", expected_state_position)
         inputs.block_id_lists("local", local_block_ids_per_group)
+        first_token = inputs.count("first_token", first_token)
         rid = ticket.request_id
         if expected_state_position is not None and ticket.state_position != expected_state_position:
             raise StatePositionError(request_id=rid, expected=expected_state_position, actual=ticket.state_position)
         if ticket.state_position != ticket.num_tokens:
             raise TicketError(f"state position {ticket.state_position} must equal num_tokens {ticket.num_tokens}",
                               request_id=rid, state_position=ticket.state_position, num_tokens=ticket.num_tokens)
+        if first_token > ticket.num_tokens or first_token % self.geometry.block_size:
+            raise PlanError(f"first_token={first_token} must be a multiple of the block size "
+                            f"{self.geometry.block_size} within the request's {ticket.num_tokens} tokens",
+                            request_id=rid, first_token=first_token, num_tokens=ticket.num_tokens)
         self._check_addresses(ticket)
         if rid in self._requests:
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
@@ -316,7 +327,7 @@ class Consumer(ProducerNotes):
         if not ready:  # a ready link's planner validates both sides: each id is checked once
             validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
                                self.cache.num_blocks, exact=False)
-        return read_batch.Checked(ticket, ids, signed, known, ready)
+        return read_batch.Checked(ticket, ids, signed, known, ready, first_token)
 
     def _register(self, c: read_batch.Checked, plan: ReadPlan | Exception | None) -> tuple | None:
         """Own the request's blocks and track it; (request, plan) when it can be posted now.
@@ -326,7 +337,10 @@ class Consumer(ProducerNotes):
         if rid in self._requests:  # listed twice in one step
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
         local = tuple(tuple(arr.tolist()) for arr in c.ids)
-        busy = [b for group in local for b in group if b in self._owners]
+        hit_blocks = c.first_token // self.geometry.block_size
+        written = tuple(ids[hit_blocks:] if kind is LayerKind.ATTENTION else ids
+                        for kind, ids in zip(self._kinds, local, strict=True)) if hit_blocks else local
+        busy = [b for group in written for b in group if b in self._owners]
         if busy:
             raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
         now = self._clock()
@@ -335,9 +349,10 @@ class Consumer(ProducerNotes):
         if isinstance(plan, Exception):
             raise plan  # PlanError: nothing registered yet
         req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
-                          changed_at=now, digest=claims.digest_of(ticket))  # the MAC check's, cached
+                          changed_at=now, digest=claims.digest_of(ticket),  # the MAC check's, cached
+                          first_token=c.first_token, written_block_ids=written)
         self._requests[rid] = req
-        for group in local:
+        for group in written:
             for b in group:
                 self._owners[b] = rid
         if (rid, ticket.nonce) in self._tombstones:
@@ -555,7 +570,7 @@ class Consumer(ProducerNotes):
                                                    detail=str(self._records[lost].error)), now, FailureCause.SOURCE_LOST)
                 elif self._greet(link):
                     try:
-                        plan = self._plan(req.ticket, req.local_block_ids, req.link)
+                        plan = self._plan(req.ticket, req.local_block_ids, req.link, req.first_token)
                     except (PlanError, UnsupportedError) as exc:
                         self._end(req, exc, now, FailureCause.PLAN)
                     else:
@@ -597,10 +612,10 @@ class Consumer(ProducerNotes):
             error = h.error or EngineError("READ ended in error", operation="READ", agent=self.agent.name, peer=h.peer)
             self._end(req, error, now, FailureCause.NIXL)
 
-    def _plan(self, t: wire.Ticket, local_ids, link: EngineLink) -> ReadPlan:
+    def _plan(self, t: wire.Ticket, local_ids, link: EngineLink, first_token: int = 0) -> ReadPlan:
         """A request's one plan (validated once, here), against ``link``'s planner."""
         return link.resolve().planner.plan(local_ids, t.block_ids, t.num_tokens, self._pack.plan_mode,
-                                           cost=self._pack.cost)
+                                           cost=self._pack.cost, first_token=first_token)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)
@@ -642,7 +657,7 @@ class Consumer(ProducerNotes):
         a difference fails the request (cause byte_count), it is never reported DONE.
         """
         # A partial kernel page of an interior that is not token-major moves whole (docs/attention-layouts.md).
-        needed = self._expected_bytes(self.geometry.moved_token_end(req.ticket.num_tokens))
+        needed = self._expected_bytes(self.geometry.moved_token_end(req.ticket.num_tokens), req.first_token)
         fields = self._pack.result_fields(req.request_id)
         if not metrics.bytes_agree(self.config.mode, req.num_bytes, needed, bool(fields.get("num_packed_sources"))):
             self._recorder.byte_mismatches += 1
@@ -669,7 +684,7 @@ class Consumer(ProducerNotes):
         """
         req.error, req.cause = error, cause
         transition(req, ReadState.DRAINING if cause is not None else ReadState.ABORTING, now)
-        self._quarantine.add(req.request_id, (b for group in req.local_block_ids for b in group), req.handles)
+        self._quarantine.add(req.request_id, (b for group in req.written_block_ids for b in group), req.handles)
         self._tell_producers(req, wire.CompletionKind.FAILED if cause is not None else wire.CompletionKind.ABORTED)
         if self._quarantine.sweep(self._release, [req.request_id]):
             self._finish_ending(req, now)
@@ -699,11 +714,11 @@ class Consumer(ProducerNotes):
             if req.state not in TERMINAL:
                 continue
             del self._requests[req.request_id]
-            for group in req.local_block_ids:
+            for group in req.written_block_ids:
                 for b in group:
                     if self._owners.get(b) == req.request_id:
                         del self._owners[b]
-            results.append(ReadResult(req.request_id, req.state, req.local_block_ids, req.num_bytes,
+            results.append(ReadResult(req.request_id, req.state, req.written_block_ids, req.num_bytes,
                                       req.num_descriptors, req.started_at, req.changed_at, req.error, req.cause,
                                       **self._pack.result_fields(req.request_id)))
             self._pack.forget(req.request_id)  # terminal: no handle writes its staging any more

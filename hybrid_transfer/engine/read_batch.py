@@ -41,6 +41,7 @@ class Read(NamedTuple):
     ticket: wire.Ticket
     local_block_ids: Sequence[Sequence[int]]
     expected_state_position: int | None = None
+    first_token: int = 0  # a local prefix hit's end (Consumer.start_read)
 
 
 class Checked(NamedTuple):
@@ -51,6 +52,7 @@ class Checked(NamedTuple):
     signed: bool
     known: Any  # the EngineLink of the ticket's engine, or None
     ready: bool  # ``known`` is ready and at the ticket's addresses: plan now
+    first_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,7 @@ def plan_step(consumer: Any, checked: Sequence[tuple[int, Checked]]) -> dict[int
     pack = consumer._pack
     for group in per_link.values():
         planner = group[0][1].known.resolve().planner
-        items = [(c.ids, c.ticket.block_ids, c.ticket.num_tokens) for _, c in group]
+        items = [(c.ids, c.ticket.block_ids, c.ticket.num_tokens, c.first_token) for _, c in group]
         try:
             plans = planner.plan_many(items, pack.plan_mode, cost=pack.cost)
         except Exception:  # noqa: BLE001 - not a PlanError: each request again alone, so it stays with its own
@@ -152,7 +154,7 @@ def plan_step(consumer: Any, checked: Sequence[tuple[int, Checked]]) -> dict[int
 
 def _plan_alone(consumer: Any, c: Checked) -> ReadPlan | Exception:
     try:
-        return consumer._plan(c.ticket, c.ids, c.known)
+        return consumer._plan(c.ticket, c.ids, c.known, c.first_token)
     except Exception as exc:  # noqa: BLE001 - it stays with its request
         return exc
 

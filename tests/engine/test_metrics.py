@@ -77,7 +77,7 @@ def test_a_read_is_counted_and_a_byte_count_difference_fails_it(cluster, monkeyp
         assert (m.done, m.bytes_needed, m.bytes_moved, m.byte_mismatches) == (1, need, need, 0)
         assert m.descriptors == done.num_descriptors > 0 and m.post_to_done.count == 1
         # The layout now "needs" one byte more than the plan moves: the read must fail, never be DONE.
-        monkeypatch.setattr(c, "_expected_bytes", lambda n: expected_bytes(GEOMETRY, n) + 1)
+        monkeypatch.setattr(c, "_expected_bytes", lambda n, first=0: expected_bytes(GEOMETRY, n) + 1)
         second = wire.decode_ticket(hold_everywhere(producers, "r2", RequestLayout(((6, 7), (8,), (9,), (10,)),
                                                                                    tokens), seed=6))
         [failed] = _read(c, second, [[6, 7], [8], [9], [10]])

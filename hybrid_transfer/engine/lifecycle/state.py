@@ -92,6 +92,10 @@ class ReadRequest:
     awaiting_claims: set = field(default_factory=set)  # source agents that have not confirmed our claim (engine/claims.py)
     disowned: bool = False  # a claim was refused: this rank tells the producers nothing about the request
     digest: bytes = b""  # claims.ticket_digest of the ticket, kept for its claim (a step's claims go out together)
+    first_token: int = 0  # a local prefix hit's end: tokens [0, first_token) are not read (docs/planner.md#prefix-hits)
+    # The blocks the read writes: local_block_ids less the prefix hit's attention blocks, which other requests
+    # may share and nothing here writes. Owned, quarantined and reported; () until registered.
+    written_block_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(eq=False)
@@ -117,8 +121,9 @@ class Hold:
 class ReadResult:
     """What ``Consumer.poll`` reports for a request that reached a terminal state.
 
-    On failure ``local_block_ids`` (every group, attention and state) are safe to reuse: no
-    handle can write them any more, and the embedder must recompute them.
+    On failure ``local_block_ids`` (every group, attention and state, less a prefix hit's attention
+    blocks, which the read never writes) are safe to reuse: no handle can write them any more, and the
+    embedder must recompute them.
     """
 
     request_id: str
