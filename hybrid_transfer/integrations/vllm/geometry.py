@@ -157,9 +157,9 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
     attention_names = [n for n in kv_caches if layer_index(n) in set(model.attention_layers)]
     spec = engine_rank_spec(kv_cache_config, views[model.attention_layers[0]],
                             kv_interior_of(vllm_config, attention_names))
-    if spec.conv_layout is not ConvLayout.DS:
-        raise UnsupportedError("the GDN conv state must be in DS layout: set VLLM_SSM_CONV_STATE_LAYOUT=DS "
-                               "on both engines")
+    # Either conv layout moves (docs/vllm.md#conv-layout): DS in one range per Q/K/V segment, SD in one per
+    # segment and window row when the TP sizes differ (one range in all at equal TP). The handshake refuses
+    # two sides that differ.
     geometry = geometry_from_engine_spec(model, vllm_config.parallel_config.tensor_parallel_size, tp_rank, spec)
     group_map = GroupMap.build(geometry.tensor_map, kv_cache_config)
     # Slot j: layer j of every group, one byte range of vLLM's single allocation (checked view by view).
