@@ -128,11 +128,11 @@ def _specs(kv_cache_config: KVCacheConfig) -> tuple[FullAttentionSpec, MambaSpec
             mamba = mamba or spec
     if attention is None:
         raise UnsupportedError("the engine has no full-attention cache group")
-    if mamba is not None and mamba.mamba_cache_mode != "none":
-        # vLLM's default (prefix caching on) gives a hybrid model mamba_cache_mode 'align'.
-        raise UnsupportedError(f"GDN state with mamba_cache_mode={mamba.mamba_cache_mode!r} (vLLM's prefix caching): "
-                               "HybridNixlConnector moves one state block per request; start both engines with "
-                               "--no-enable-prefix-caching (LLM(enable_prefix_caching=False)), docs/vllm.md#configure")
+    if mamba is not None and mamba.mamba_cache_mode not in ("none", "align"):
+        # "none" (no prefix caching) and "align" (vLLM's default with prefix caching) keep one running state
+        # block per request at a position the scheduler knows (scheduler.state_block_index).
+        raise UnsupportedError(f"GDN state with mamba_cache_mode={mamba.mamba_cache_mode!r}: HybridNixlConnector "
+                               "moves the states of modes 'none' and 'align' (docs/vllm.md#prefix-caching)")
     if mamba is not None and mamba.num_speculative_blocks:
         raise UnsupportedError(f"GDN state with {mamba.num_speculative_blocks} speculative blocks: speculative decoding "
                                "is not supported yet; start the decode engine without --speculative-config")

@@ -23,11 +23,15 @@ class HandshakeCard(KVConnectorHandshakeMetadata):
 
 @dataclass(frozen=True)
 class ReadOrder:
-    """Decode side: read ``ticket`` into ``local_block_ids`` (our group order)."""
+    """Decode side: read ``ticket`` into ``local_block_ids`` (our group order, every block of the request).
+
+    ``first_token``: the local prefix hit's end; the read starts there (docs/planner.md#prefix-hits).
+    """
 
     ticket: Ticket
     local_block_ids: tuple[tuple[int, ...], ...]
     expected_state_position: int
+    first_token: int = 0
 
 
 @dataclass(frozen=True)

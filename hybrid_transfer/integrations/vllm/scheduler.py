@@ -15,6 +15,12 @@ models) are an asynchronous external hit; after allocation the read is ordered o
 while reading is forwarded; a request that ends before its read was ordered is declined, so
 the producer frees its blocks at once instead of at lease expiry.
 
+Prefix caching (GDN state in ``mamba_cache_mode`` "align"): a decode request with a local hit of H
+tokens loads only N-1-H of them: the read starts at H (``ReadOrder.first_token``) and moves the
+attention blocks past the hit and the state at N-1; a hit of all N-1 tokens moves nothing
+(docs/vllm.md#prefix-caching). Which block of a GDN group holds a request's state is vLLM's rule
+(``state_block_index``).
+
 Params come from the client (vLLM's request body): ``on_new_request`` judges them whole
 (params.check_request_params) before anything acts on them, and no hook raises for a request.
 Refused hand-offs run as plain requests; refused loads follow vLLM's ``kv_load_failure_policy``:
@@ -64,6 +70,18 @@ class _Load:
     refusal: str | None = None
 
 
+def state_block_index(mamba_cache_mode: str, num_tokens: int, block_size: int) -> int:
+    """Where a request's GDN state after ``num_tokens`` tokens sits in its block list of a state group.
+
+    "align": one entry per block of tokens, the running state in the block holding the last one, every
+    earlier entry null or a prefix-cache checkpoint; "none": the first entry (any later ones are
+    speculative decoding's scratch blocks). docs/vllm.md#prefix-caching.
+    """
+    if mamba_cache_mode == "align":
+        return max(0, -(-num_tokens // block_size) - 1)
+    return 0
+
+
 class SchedulerSide:
     """Scheduler-side state of one engine; the connector class forwards vLLM's hooks here."""
 
@@ -81,6 +99,9 @@ class SchedulerSide:
         self._secret = secret  # keys the tickets' MACs (engine/claims.py); the workers check them with theirs
         self.group_map = group_map
         self.block_size = attention_block_size
+        self.vllm_config = vllm_config
+        self.mamba_cache_mode = _mamba_cache_mode(kv_cache_config)
+        self._block_size_checked = False
         # Hybrids stop one token early (the decode side needs h(N-1)); attention-only models do not.
         self.backoff = 1 if kv_cache_config.has_mamba_layers else 0
         self.card: EngineCard | None = None  # the prefill engine's ranks, once vLLM handed them over
@@ -107,6 +128,7 @@ class SchedulerSide:
         """Judge the client's params once, before vLLM or any hook reads them; then cut a hand-off to N-1."""
         rid = request.request_id
         params = request.kv_transfer_params
+        self._check_block_size()
         try:
             judged = kvp.check_request_params(params, internal_ok=rid in self._truncated)
         except Exception as exc:  # noqa: BLE001 - typed by contract; anything else must not reach add_request
@@ -116,6 +138,26 @@ class SchedulerSide:
             self._judge_load(request, judged.ticket)
         elif judged.role is kvp.Role.HAND_OFF:
             self._cut(request, params)
+
+    def _check_block_size(self) -> None:
+        """Say once, loudly, when vLLM's scheduler splits prompts on another block size than its caches use.
+
+        vLLM's CPU platform resets ``cache_config.block_size`` to 128 when the engine core re-runs its
+        config checks at start, unless ``--block-size`` was given, while the cache groups keep the block
+        size page-size unification chose (256 where the GDN state is float32). In align mode the
+        scheduler then ends prefill chunks on the wrong boundaries: hits are lost, and a state can be
+        cached under the wrong position. docs/vllm.md#prefix-caching.
+        """
+        if self._block_size_checked or self.mamba_cache_mode != "align":
+            return
+        self._block_size_checked = True
+        configured = self.vllm_config.cache_config.block_size
+        if configured != self.block_size:
+            self.counts["block_size_mismatch"] += 1
+            log.error("hybrid-transfer: vLLM's scheduler splits prefill chunks on %s-token blocks but the cache "
+                      "groups use %d-token blocks: with prefix caching (align mode) vLLM may cache GDN states under "
+                      "the wrong position. Start every engine with --block-size %d (docs/vllm.md#prefix-caching)",
+                      configured, self.block_size, self.block_size)
 
     def _refuse(self, request: Request, exc: Exception) -> None:
         """Params that failed the check: a load follows the failure policy, anything else runs as a plain request."""
@@ -170,7 +212,12 @@ class SchedulerSide:
             return False, None
         ours = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(block_ids))
         num_tokens = request.num_computed_tokens
-        ours = self._clip(ours, num_tokens)
+        try:
+            ours = self._clip(ours, num_tokens)
+        except IndexError:
+            log.error("hybrid-transfer: %s is not handed off: its block lists %s are too short for %d tokens",
+                      request.request_id, [len(ids) for ids in ours], num_tokens)
+            return False, None
         num_blocks = len({b for ids in ours for b in ids})
         num_held = sum(self._held.values())
         if num_held + num_blocks > self.max_held_blocks:
@@ -185,23 +232,27 @@ class SchedulerSide:
         return True, kvp.prefill_result(ticket)
 
     def _clip(self, ours: tuple[tuple[int, ...], ...], num_tokens: int) -> tuple[tuple[int, ...], ...]:
-        """Attention lists cover exactly the moved tokens; a state group keeps its one state block."""
+        """Attention lists cover exactly the moved tokens; a state group keeps the one block holding the state
+        after ``num_tokens`` (``state_block_index``). Raises IndexError when a list is too short."""
         out = []
+        state_at = state_block_index(self.mamba_cache_mode, num_tokens, self.block_size)
         for kind_is_attention, ids in zip(self.group_map.attention_mask, ours, strict=True):
             if kind_is_attention:
                 out.append(ids[: -(-num_tokens // self.block_size)])
             else:
-                out.append(ids[-1:])
+                out.append((ids[state_at],))
         return tuple(out)
 
     # ---- decode -------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        """N-1 prompt tokens (N for attention-only models) load asynchronously; anything else computes locally.
+        """N-1 prompt tokens (N for attention-only models) load asynchronously, less a local prefix hit.
 
         Called again and again while the request waits, so it only reads. A refused load under
         policy "fail" also counts as an asynchronous load: the workers then report it failed and
         vLLM ends the request before computing anything (the only way 0.33 fails a request from
-        a connector). A local prefix hit computes here (update_state_after_alloc declines).
+        a connector). ``num_computed_tokens`` is the local hit (block-aligned; in align mode it
+        includes the GDN state there): the rest loads, and a hit of every token to load moves nothing
+        (update_state_after_alloc declines the ticket).
         """
         load = self._load_of(request)
         if load is None:
@@ -209,12 +260,8 @@ class SchedulerSide:
         expected = self._tokens_to_load(request)
         if load.refusal is not None:
             return (expected, True) if self.fail_bad_loads and expected > 0 else (0, False)
-        if num_computed_tokens:
-            # A local prefix hit: the read would overwrite shared cached blocks. Compute the rest here.
-            log.info("hybrid-transfer: %s has %d tokens cached locally: not loaded", request.request_id,
-                     num_computed_tokens)
-            return 0, False
-        return (expected, True) if expected > 0 else (0, False)
+        remaining = expected - num_computed_tokens
+        return (remaining, True) if remaining > 0 else (0, False)
 
     def _load_of(self, request: Request) -> _Load | None:
         """The request's judged load, judging it now when vLLM's add_request did not (direct hook calls)."""
@@ -248,9 +295,19 @@ class SchedulerSide:
             if load.ticket is not None:
                 self._declines[rid] = DeclineOrder(load.ticket, report=False)
             return
-        local = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(
-            blocks.get_unhashed_block_ids_all_groups()))
-        self._reads[rid] = ReadOrder(load.ticket, local, self._tokens_to_load(request))
+        # Every block of the request, the hit's included: the read indexes its lists from token 0 and starts
+        # past the hit (docs/planner.md#prefix-hits). In align mode vLLM hashes (caches) blocks as soon as
+        # they fill, so its unhashed lists may miss blocks the read must fill.
+        num_tokens = self._tokens_to_load(request)
+        hit = num_tokens - num_external_tokens
+        every = self.group_map.to_ours(self.kv_cache_config.select_transfer_block_ids(blocks.get_block_ids()))
+        try:
+            local = self._clip(every, num_tokens)
+        except IndexError:
+            local = every  # too few blocks for the ticket: the workers' and the consumer's checks fail it by name
+        if hit:
+            self.counts["loads_after_hit"] += 1
+        self._reads[rid] = ReadOrder(load.ticket, local, num_tokens, first_token=hit)
         self._reading.add(rid)
 
     def get_loaded_kv_cache_group_ids(self) -> tuple[int, ...]:
@@ -297,6 +354,15 @@ class SchedulerSide:
                 "declines": sorted(self._declines), "fails": sorted(self._fails), "reading": sorted(self._reading),
                 "loads": sorted(self._loads), "truncated": sorted(self._truncated), "held": dict(self._held),
                 "counts": dict(self.counts)}
+
+
+def _mamba_cache_mode(kv_cache_config: KVCacheConfig) -> str:
+    """The GDN groups' ``mamba_cache_mode`` ("none" without state groups)."""
+    for group in kv_cache_config.kv_cache_groups:
+        mode = getattr(group.kv_cache_spec, "mamba_cache_mode", None)
+        if mode is not None:
+            return mode
+    return "none"
 
 
 def _short(exc: BaseException) -> str:

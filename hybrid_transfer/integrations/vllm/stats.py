@@ -24,8 +24,10 @@ from hybrid_transfer.engine.metrics import LATENCY_BOUNDS_S
 
 # Summed over ranks and steps. reads_refused / loads_failed: WorkerSide.counts (refused before any byte
 # moved; the scheduler's fail orders); holds_expired: producer holds whose lease ran out.
+# hit_reads / hit_tokens / hit_blocks / hit_bytes: DONE reads that started past a local prefix hit, and what
+# the hits saved (tokens, attention blocks and bytes not moved; docs/vllm.md#prefix-caching).
 COUNTERS = ("reads_done", "reads_failed", "reads_aborted", "reads_refused", "loads_failed", "bytes_read",
-            "descriptors", "holds_expired")
+            "descriptors", "holds_expired", "hit_reads", "hit_tokens", "hit_blocks", "hit_bytes")
 SAMPLES = ("post_s", "transfer_s")  # one value per DONE read, seconds
 CAUSES = "failure_causes"  # FailureCause value -> FAILED reads, summed
 LATEST = ("held_blocks", "held_requests")  # producer TP rank (str) -> its value now; a later report replaces it
@@ -40,6 +42,15 @@ def _normalized(data: dict[str, Any] | None) -> dict[str, Any]:
     for key in (CAUSES, *LATEST):
         out[key] = {str(k): int(v) for k, v in (data.get(key) or {}).items()}
     return out
+
+
+@dataclass(frozen=True)
+class Hit:
+    """What one read's local prefix hit saved on its rank (all 0 without a hit)."""
+
+    tokens: int
+    blocks: int  # attention blocks, over every attention group
+    bytes: int
 
 
 @dataclass
@@ -86,6 +97,9 @@ class HybridKVConnectorStats(KVConnectorStats):
                 "P90 transfer time (ms)": _ms(np.percentile(transfer, 90)) if transfer.size else 0,
                 "Throughput (MB/s)": round(mb / seconds, 3) if seconds > 0 else 0,
             })
+            if d["hit_reads"]:
+                out.update({"Reads after a prefix hit": d["hit_reads"], "Hit tokens": d["hit_tokens"],
+                            "MB saved by hits": round(d["hit_bytes"] / 2**20, 3)})
             if d[CAUSES]:
                 out["Failure causes"] = ",".join(f"{cause}:{n}" for cause, n in sorted(d[CAUSES].items()))
         if any(d[key] for key in _PRODUCER_KEYS):
@@ -108,10 +122,16 @@ class ReadTally:
         self._expired_taken = 0
         self._held_sent: tuple[int, int] | None = None
 
-    def on_read(self, result: ReadResult) -> None:
-        """One finished read (Consumer.poll's result); post and transfer time as the consumer measured them."""
+    def on_read(self, result: ReadResult, hit: Hit | None = None) -> None:
+        """One finished read (Consumer.poll's result) and what its local prefix hit saved; post and transfer
+        time as the consumer measured them."""
         d = self._data
         if result.state is ReadState.DONE:
+            if hit is not None and hit.tokens:
+                d["hit_reads"] += 1
+                d["hit_tokens"] += hit.tokens
+                d["hit_blocks"] += hit.blocks
+                d["hit_bytes"] += hit.bytes
             d["reads_done"] += 1
             d["bytes_read"] += result.num_bytes
             d["descriptors"] += result.num_descriptors
@@ -162,6 +182,11 @@ _COUNTER_SERIES = (
     ("descriptors", "vllm:hybrid_transfer_descriptors", "NIXL descriptors of DONE reads."),
     ("holds_expired", "vllm:hybrid_transfer_expired_holds", "Producer holds whose lease ran out before decode "
      "reported (their blocks went back to vLLM)."),
+    ("hit_reads", "vllm:hybrid_transfer_hit_reads", "DONE reads that started past a local prefix hit."),
+    ("hit_tokens", "vllm:hybrid_transfer_hit_tokens", "Prompt tokens local prefix hits held, so no read moved them."),
+    ("hit_blocks", "vllm:hybrid_transfer_hit_blocks", "Attention blocks local prefix hits held (per attention "
+     "group), so no read wrote them."),
+    ("hit_bytes", "vllm:hybrid_transfer_hit_bytes", "Bytes local prefix hits saved the reads."),
 )
 _HISTOGRAM_SERIES = (
     ("post_s", "vllm:hybrid_transfer_post_time_seconds", "Per DONE read: from start_load_kv's order to the READ "

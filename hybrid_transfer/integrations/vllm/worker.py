@@ -37,7 +37,7 @@ from hybrid_transfer.errors import HybridTransferError, TicketError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.geometry import EngineCache
 from hybrid_transfer.integrations.vllm.metadata import FailOrder, HandshakeCard, HybridConnectorMetadata, ReadOrder
-from hybrid_transfer.integrations.vllm.stats import HybridKVConnectorStats, ReadTally
+from hybrid_transfer.integrations.vllm.stats import Hit, HybridKVConnectorStats, ReadTally
 
 log = logging.getLogger(__name__)
 
@@ -141,8 +141,8 @@ class WorkerSide:
             checked.append((rid, order, ticket))
         if not checked:
             return
-        errors = self.consumer.start_reads([Read(ticket, order.local_block_ids, order.expected_state_position)
-                                            for _, order, ticket in checked])
+        errors = self.consumer.start_reads([Read(ticket, order.local_block_ids, order.expected_state_position,
+                                                 order.first_token) for _, order, ticket in checked])
         for (rid, order, ticket), exc in zip(checked, errors, strict=True):
             if exc is not None:
                 self.counts["reads_refused"] += 1
@@ -201,8 +201,8 @@ class WorkerSide:
                           type(exc).__name__, str(exc)[:200])
                 results = []
             for result in results:
-                self.tally.on_read(result)
                 entry = self._reads.pop(result.request_id, None)
+                self.tally.on_read(result, self._hit_of(entry[1]) if entry is not None else None)
                 if entry is None:
                     continue
                 rid, order = entry
@@ -252,18 +252,26 @@ class WorkerSide:
                     view[partial, :, within:].zero_()
                 view[unmoved: block * ratio + ratio].zero_()
 
+    def _hit_of(self, order: ReadOrder) -> Hit:
+        """What the order's local prefix hit saved: its tokens, attention blocks and bytes on this rank."""
+        g = self.engine.cache.geometry
+        blocks = order.first_token // g.block_size * sum(self.engine.group_map.attention_mask)
+        return Hit(order.first_token, blocks, order.first_token * g.kv_bytes_per_token * len(g.model.attention_layers))
+
     def _zero_attention_blocks(self, order: ReadOrder) -> None:
         """A failed read may have filled part of its blocks, and vLLM skipped zeroing them: zero them whole.
 
         Safe here: a failed request is reported only once no NIXL handle can write its blocks.
-        vLLM's recompute then rewrites the prompt's tokens over zeros, not over stale bytes.
+        vLLM's recompute then rewrites the prompt's tokens over zeros, not over stale bytes. A prefix
+        hit's blocks are not the read's (other requests may share them): never touched.
         """
         g = self.engine.cache.geometry
         ratio = g.kernel_ratio
+        hit_blocks = order.first_token // g.block_size
         for group_index, is_attention in enumerate(self.engine.group_map.attention_mask):
             if not is_attention:
                 continue
-            for block in order.local_block_ids[group_index]:
+            for block in order.local_block_ids[group_index][hit_blocks:]:
                 for layer in g.tensor_map.groups[group_index].layers:
                     self.engine.attention_views[layer][block * ratio: (block + 1) * ratio].zero_()
 

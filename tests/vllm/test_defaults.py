@@ -1,5 +1,6 @@
-"""vLLM's defaults turn prefix caching on, which gives a hybrid model's GDN state ``mamba_cache_mode='align'``:
-the connector refuses it at engine start with the flag that fixes it (issue 26 Deliver 5)."""
+"""vLLM's defaults: prefix caching on, which gives a hybrid model's GDN state ``mamba_cache_mode='align'``, and
+the SD conv layout (vLLM switches to DS only for connectors it knows by name). The connector takes both
+(docs/vllm.md#prefix-caching, #conv-layout); a mode it does not know is refused by name."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ def _with_mamba(kvc, **changes):
     return kvc
 
 
-def test_prefix_cachings_align_mode_is_refused_naming_the_flag(model_dir):
+def test_prefix_cachings_align_mode_is_taken(model_dir):
+    """(The SD layout, vLLM's default, is proven with real engines: tests/vllm_engine/test_d_prefix_caching.py.)"""
     cfg = make_vllm_config(model_dir, tp_size=1, block_size=64, kv_role="kv_both")
     kvc = _with_mamba(make_kv_cache_config(cfg, 16), mamba_cache_mode="align")
-    with pytest.raises(UnsupportedError, match="--no-enable-prefix-caching") as info:
+    spec = engine_rank_spec(kvc, _attention_view())
+    assert spec.state is not None and spec.attention.block_size == 64
+
+
+def test_a_mamba_cache_mode_the_connector_does_not_know_is_refused_by_name(model_dir):
+    cfg = make_vllm_config(model_dir, tp_size=1, block_size=64, kv_role="kv_both")
+    kvc = _with_mamba(make_kv_cache_config(cfg, 16), mamba_cache_mode="all")
+    with pytest.raises(UnsupportedError, match="mamba_cache_mode='all'"):
         engine_rank_spec(kvc, _attention_view())
-    assert "'align'" in str(info.value)
 
 
 def test_speculative_state_blocks_are_refused_naming_the_setting(model_dir):
