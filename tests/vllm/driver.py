@@ -18,7 +18,7 @@ from rank_host import Host
 from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import RequestStatus
-from vllm_engine import make_kv_cache_config, make_request, make_scheduler, make_vllm_config
+from vllm_engine import make_kv_cache_config, make_request, make_scheduler, make_vllm_config, request_block_hasher
 
 from hybrid_transfer.verify import RequestLayout
 
@@ -77,6 +77,8 @@ class Engine:
             configure(self.vllm_config)
         self.kv_cache_config = make_kv_cache_config(self.vllm_config, num_blocks)
         self.scheduler = make_scheduler(self.vllm_config, self.kv_cache_config)
+        self.block_hasher = (request_block_hasher(self.vllm_config, self.kv_cache_config)
+                             if self.vllm_config.cache_config.enable_prefix_caching else None)
         self.connector = self.scheduler.connector
         self.hosts = [hosts[r % len(hosts)] for r in range(tp_size)]
         self.keys = [f"{name}-{self.vllm_config.kv_transfer_config.engine_id}-r{r}" for r in range(tp_size)]
@@ -93,7 +95,8 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------
     def add(self, request_id: str, num_tokens: int, *, params: dict, max_tokens: int = 2):
-        request = make_request(request_id, num_tokens, max_tokens=max_tokens, params=params)
+        request = make_request(request_id, num_tokens, max_tokens=max_tokens, params=params,
+                               block_hasher=self.block_hasher)
         self.scheduler.add_request(request)
         if self.is_prefill:
             self.seeds[request_id] = seed_of(request_id)

@@ -71,12 +71,16 @@ def write_tiny_model(directory: Path, *, layer_types: list[str] | None = None) -
 def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role: str, extra: dict | None = None,
                      max_num_batched_tokens: int = 4096, engine_id: str | None = None,
                      scheduler_reserve_full_isl: bool = True, kv_load_failure_policy: str = "recompute",
-                     dp_size: int = 1, dp_rank: int = 0, ssm_dtype: str = SSM_DTYPE) -> VllmConfig:
+                     dp_size: int = 1, dp_rank: int = 0, ssm_dtype: str = SSM_DTYPE,
+                     prefix_caching: bool = False) -> VllmConfig:
     """One engine's config: the tiny model at ``tp_size`` with an explicitly configured block size and SSM
     state dtype (``ssm_dtype``, what ``--mamba-ssm-cache-dtype`` sets).
 
     ``dp_size`` > 1: engine core ``dp_rank`` of a data-parallel endpoint, given its identity as
     vLLM's engine-core launcher does (``dp_engine_identity``).
+
+    ``prefix_caching``: vLLM's default, which gives the GDN state ``mamba_cache_mode='align'`` (one state
+    block per block of tokens, of the attention block size).
     """
     model = ModelConfig(model=str(model_dir), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN,
                         enforce_eager=True)
@@ -84,7 +88,8 @@ def make_vllm_config(model_dir: Path, *, tp_size: int, block_size: int, kv_role:
                            kv_connector_extra_config=dict(extra or {}), kv_load_failure_policy=kv_load_failure_policy)
     cfg = VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=False, mamba_ssm_cache_dtype=ssm_dtype),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching,
+                                 mamba_cache_mode="align" if prefix_caching else "none", mamba_ssm_cache_dtype=ssm_dtype),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=max_num_batched_tokens,
                                          max_model_len=MAX_MODEL_LEN, is_encoder_decoder=False,
                                          scheduler_reserve_full_isl=scheduler_reserve_full_isl),
@@ -118,10 +123,12 @@ def layer_specs(cfg: VllmConfig) -> dict:
     attention = FullAttentionSpec(block_size=block_size, num_kv_heads=max(1, hf.num_key_value_heads // tp),
                                   head_size=hf.head_dim, dtype=cfg.model_config.dtype)
     # vLLM pads the state page to the attention page (platforms/interface.py does the same sum).
-    mamba = None if "linear_attention" not in hf.layer_types else MambaSpec(block_size=MAX_MODEL_LEN, shapes=Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg),
-                      dtypes=Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg),
-                      page_size_padded=attention.page_size_bytes, mamba_cache_mode="none",
-                      mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
+    align = cfg.cache_config.mamba_cache_mode == "align"  # a state block per block of tokens
+    mamba = None if "linear_attention" not in hf.layer_types else MambaSpec(
+        block_size=block_size if align else MAX_MODEL_LEN, shapes=Qwen3NextForCausalLM.get_mamba_state_shape_from_config(cfg),
+        dtypes=Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(cfg),
+        page_size_padded=attention.page_size_bytes, mamba_cache_mode=cfg.cache_config.mamba_cache_mode,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN)
     specs = {}
     for i in range(hf.num_hidden_layers):
         if hf.layer_types[i] == "full_attention":
@@ -153,12 +160,25 @@ def make_scheduler(cfg: VllmConfig, kvc: KVCacheConfig) -> Scheduler:
                      hash_block_size=hash_block_size)
 
 
-def make_request(request_id: str, num_tokens: int, *, max_tokens: int = 2, params: dict | None = None) -> Request:
-    """A request of ``num_tokens`` prompt tokens carrying ``params`` as its kv_transfer_params."""
+def make_request(request_id: str, num_tokens: int, *, max_tokens: int = 2, params: dict | None = None,
+                 block_hasher=None) -> Request:
+    """A request of ``num_tokens`` prompt tokens carrying ``params`` as its kv_transfer_params. Every prompt is a
+    prefix of one token sequence, so a longer prompt extends a shorter one (prefix caching hits it with
+    ``block_hasher``, ``request_block_hasher``)."""
     extra = {"kv_transfer_params": params} if params is not None else None
     sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True, extra_args=extra)
     tokens = [(7 * i + 3) % 200 + 1 for i in range(num_tokens)]
-    return Request(request_id, tokens, sampling, None)
+    return Request(request_id, tokens, sampling, None, block_hasher=block_hasher)
+
+
+def request_block_hasher(cfg: VllmConfig, kvc: KVCacheConfig):
+    """The block hasher EngineCore gives every request when prefix caching is on."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(cfg.cache_config.prefix_caching_hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(resolve_kv_cache_block_sizes(kvc, cfg)[1], hash_fn)
 
 
 def kernel_block_sizes(kvc: KVCacheConfig) -> list[int]:

@@ -22,6 +22,7 @@ interrupted run), and the suite's last test (test_z_reaped.py) checks that no pr
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import signal
 import sys
@@ -79,12 +80,19 @@ class Suite:
         spare = engines.kv_config("kv_producer", extra=SPARE_EXTRA)
         self.spare_a = engines.EngineServer("spare_a", self.model, root, kv=spare)
         self.spare_b = engines.EngineServer("spare_b", self.model, root, kv=spare)
-        engines.start_all([self.prefill, self.decode, self.faulty, self.reference, self.spare_a, self.spare_b])
+        self.servers = [self.prefill, self.decode, self.faulty, self.reference, self.spare_a, self.spare_b]
+        engines.start_all(self.servers)
         self.start_s = time.monotonic() - t0
         self.block_size = block_size_of(self.prefill)
 
     def close(self) -> None:
+        """Every engine of the session (this suite's and PrefixSuite's)."""
         _close_all()
+
+    def close_own(self) -> None:
+        """This suite's engines only (idempotent): the host's memory holds six engines or PrefixSuite's four."""
+        for server in self.servers:
+            server.close()
 
 
 def block_size_of(server: engines.EngineServer) -> int:
@@ -97,6 +105,52 @@ def block_size_of(server: engines.EngineServer) -> int:
     raise AssertionError("vllm:cache_config_info not on /metrics")
 
 
+# The prefix-caching engines' negative controls (faulty_connector.py), by N-1; test_d_prefix_caching.py's prompts
+# are built around them (a hit of one block, then a block and a half plus these many tokens).
+PC_FAULT_EXTRA = {"whole_prompt": 20, "hit_state": 30}
+
+
+class PrefixSuite:
+    """Engines left at vLLM's defaults (prefix caching on, so GDN state in align mode; the SD conv layout), with
+    ``--block-size`` given as the block the first suite's engines got (docs/vllm.md#prefix-caching: without it
+    vLLM's CPU platform splits prefill chunks on another block than its caches use):
+
+    - ``prefill``: ``kv_producer``;
+    - ``decode``: ``kv_consumer`` (policy fail) through faulty_connector.py with the PC_FAULT_EXTRA controls;
+    - ``reference``: no connector, align-mode chunks of the N-1-token prompt, then token N
+      (split_scheduler.AlignedSplitScheduler), one request at a time;
+    - ``wide``: ``kv_consumer`` (policy fail) with blocks twice as large.
+
+    ``prefill`` and ``reference`` run with VLLM_SERVER_DEV_MODE=1 (their ``/reset_prefix_cache``).
+    """
+
+    def __init__(self, root: Path, model: Path, block_size: int):
+        self.block_size = b = block_size
+        self.model_config = json.loads((model / "config.json").read_text())
+        faults = ",".join(f"{name}@{b + b // 2 + extra}" for name, extra in PC_FAULT_EXTRA.items())
+        dev = {"VLLM_SERVER_DEV_MODE": "1"}
+        blocks = ["--block-size", str(b)]
+        t0 = time.monotonic()
+        # The spares' lease: the read refused on ``wide`` (no link, so no decline) frees this soon after.
+        self.prefill = engines.EngineServer("pc_prefill", model, root, args=blocks, env=dev, prefix_caching=True,
+                                            kv=engines.kv_config("kv_producer", extra=SPARE_EXTRA))
+        self.decode = engines.EngineServer("pc_decode", model, root, args=blocks, prefix_caching=True,
+                                           kv=engines.kv_config("kv_consumer", policy="fail", module="faulty_connector",
+                                                                extra=DECODE_EXTRA), env={"HT_TEST_FAULTS": faults})
+        self.reference = engines.EngineServer("pc_reference", model, root, env=dev, prefix_caching=True, args=[
+            *blocks, "--scheduler-cls", "split_scheduler.AlignedSplitScheduler", "--max-num-seqs", "1"])
+        self.wide = engines.EngineServer("pc_wide", model, root, args=["--block-size", str(2 * b)],
+                                         prefix_caching=True,
+                                         kv=engines.kv_config("kv_consumer", policy="fail", extra=DECODE_EXTRA))
+        engines.start_all([self.prefill, self.decode, self.reference, self.wide])
+        self.start_s = time.monotonic() - t0
+        for server in (self.prefill, self.decode, self.reference):
+            assert block_size_of(server) == b, server.name
+        # vLLM's CPU attention takes any multiple of 32 as its kernel block (cpu_attn.py), so its kernel page is the
+        # whole block (select_common_block_size keeps the manager's block when the backend accepts it).
+        self.kernel_block_size = b
+
+
 @pytest.fixture(scope="session")
 def suite(tmp_path_factory) -> Suite:
     root = Path(os.environ.get("HT_ENGINE_SUITE_DIR") or tmp_path_factory.mktemp("engines"))
@@ -105,3 +159,14 @@ def suite(tmp_path_factory) -> Suite:
     print(f"\nreal-engine suite: {len(engines.REGISTRY)} engines started in {s.start_s:.0f} s, block size {s.block_size}, logs in {root}")
     yield s
     s.close()
+
+
+@pytest.fixture(scope="session")
+def prefix_suite(suite) -> PrefixSuite:
+    """Started on first use, once the first engines told this host's block size; those are closed first (ten
+    engines side by side do not fit a 24 GiB host: each holds its 1 GiB cache and about 1.3 GB of processes),
+    so the tests that use ``suite`` run before test_d_prefix_caching.py (file order)."""
+    suite.close_own()
+    s = PrefixSuite(suite.root, suite.model, suite.block_size)
+    print(f"\nprefix-caching engines: 4 started in {s.start_s:.0f} s, block size {s.block_size}")
+    return s

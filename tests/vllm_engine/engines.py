@@ -38,11 +38,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine_env(extra: dict | None = None) -> dict:
-    """The environment every engine needs (docs/vllm.md#real-engines), plus ``extra``."""
+def engine_env(extra: dict | None = None, *, defaults: bool = False) -> dict:
+    """The environment every engine needs (docs/vllm.md#real-engines), plus ``extra``.
+
+    ``defaults``: vLLM's own conv-state layout (unset: SD with this connector), as a ``vllm serve`` left at its
+    defaults has it; else DS."""
     env = dict(os.environ)
+    env.pop("VLLM_SSM_CONV_STATE_LAYOUT", None)
+    if not defaults:
+        env["VLLM_SSM_CONV_STATE_LAYOUT"] = "DS"
     env.update({
-        "VLLM_SSM_CONV_STATE_LAYOUT": "DS", "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_TARGET_DEVICE": "cpu", "TOKENIZERS_PARALLELISM": "false",
         # vLLM's CPU worker pins itself and its OpenMP threads to cores ("auto"): every engine of the suite
         # then lands on core 0, with the NIXL and UCX threads it starts (a first UCX endpoint took ~60 s
@@ -72,19 +78,24 @@ class EngineServer:
     """One ``vllm serve`` (OpenAI server) on a free loopback port."""
 
     def __init__(self, name: str, model: Path, log_dir: Path, *, args: list[str] | None = None,
-                 kv: dict | None = None, env: dict | None = None):
+                 kv: dict | None = None, env: dict | None = None, prefix_caching: bool = False):
+        """``prefix_caching``: vLLM's defaults (prefix caching on, so align mode, and the SD conv layout);
+        else ``--no-enable-prefix-caching`` and DS."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_dir / f"{name}.log"
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
-               "--enforce-eager", "--max-model-len", "1024", "--no-enable-prefix-caching", "--seed", "0",
+               "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
                "--max-num-seqs", "8", "--return-tokens-as-token-ids", *(args or [])]
+        if not prefix_caching:
+            cmd.append("--no-enable-prefix-caching")
         if kv is not None:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - lives as long as the engine
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=engine_env(env),
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=engine_env(env, defaults=prefix_caching),
                                      start_new_session=True, cwd=str(log_dir))
         self.pgid = self.proc.pid  # a new session: the group id is the server's pid
         REGISTRY.append(self)

@@ -110,6 +110,11 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         tp_rank = tensor_parallel_rank()
         engine = wrap_engine_cache(self._vllm_config, self._kv_cache_config, kv_caches, tp_rank)
         kvt = self._kv_transfer_config
+        g = engine.cache.geometry
+        # What decides every read's bytes; a pair that differs in any of these is refused at the handshake.
+        log.info("hybrid-transfer: TP rank %d cache: %d-token blocks, %d-token kernel pages, page interior %s, "
+                 "conv layout %s, %d blocks", tp_rank, g.block_size, g.kernel_block_size, g.kv_interior,
+                 g.conv_layout.value, engine.cache.num_blocks)
         self._worker = WorkerSide(engine, rank_config(self._vllm_config, self._extra, tp_rank), engine_id=kvt.engine_id,
                                   incarnation=incarnation_of(self._vllm_config), is_producer=kvt.is_kv_producer,
                                   is_consumer=kvt.is_kv_consumer)
