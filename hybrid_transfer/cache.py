@@ -107,12 +107,10 @@ class HybridCache:
 
     # ---- typed views -----------------------------------------------------
     def _layer_raw(self, layer: int, kind: LayerKind) -> torch.Tensor:
-        model = self.geometry.model
-        if not 0 <= layer < model.num_layers:
-            raise ConfigError(f"layer={layer} out of range [0, {model.num_layers})", field="layer", value=layer)
-        if model.layer_kinds[layer] is not kind:
-            raise ConfigError(f"layer {layer} is {model.layer_kinds[layer].value}, not {kind.value}",
-                              field="layer", value=layer)
+        # Cached layers: the model's, then the draft (MTP) attention layers at num_layers + i.
+        got = self.geometry.layer_kind(layer)
+        if got is not kind:
+            raise ConfigError(f"layer {layer} is {got.value}, not {kind.value}", field="layer", value=layer)
         return self.raw(self.geometry.tensor_of(layer))
 
     def kv(self, layer: int) -> torch.Tensor:
@@ -150,11 +148,11 @@ class HybridCache:
         return kv[:, half]
 
     def conv(self, layer: int) -> torch.Tensor:
-        """[num_blocks, conv_dim_local, w-1], channels [Q_r | K_r | V_r]; a transposed view in SD layout."""
+        """[num_blocks, conv_dim_local, w-1+s] (s: speculative slots), channels [Q_r | K_r | V_r]; a transposed view in SD layout."""
         g = self.geometry
         raw = self._layer_raw(layer, LayerKind.GDN)[:, : g.conv_bytes]
         typed = raw.view(TORCH_DTYPES[g.conv_dtype])
-        w = g.model.conv_window
+        w = g.conv_window
         if g.conv_layout is ConvLayout.DS:
             return typed.view(self.num_blocks, g.conv_dim_local, w)
         return typed.view(self.num_blocks, w, g.conv_dim_local).transpose(1, 2)

@@ -323,10 +323,10 @@ def _write_state(cache: HybridCache, layer: int, block_id: int, seed: int, poiso
     """Conv (each segment at its global channels) and ssm (at global value heads) of one state block."""
     g = cache.geometry
     m = g.model
-    conv = _int_view(cache.conv(layer))[block_id]  # [conv_dim_local, w-1], a strided view in SD
+    conv = _int_view(cache.conv(layer))[block_id]  # [conv_dim_local, w-1+s], a strided view in SD
     for segment, channels in enumerate(g.conv_channel_ranges):
         lo = g.conv_segment_channel_offsets[segment]
-        conv[lo : lo + len(channels)] = conv_pattern(seed, layer, segment, channels, m.conv_window,
+        conv[lo : lo + len(channels)] = conv_pattern(seed, layer, segment, channels, g.conv_window,
                                                      g.conv_itemsize, poison_byte, conv.device)
     pat = ssm_pattern(seed, layer, g.value_heads, m.linear_value_head_dim, m.linear_key_head_dim,
                       g.ssm_dtype.itemsize, poison_byte, conv.device)
@@ -343,6 +343,18 @@ def _write_padding(cache: HybridCache, tensor_index: int, block_id: int, seed: i
     page[g.state_page_bytes :] = _cells(rows, g.page_bytes - g.state_page_bytes, 1, poison_byte)[0]
 
 
+def _write_unused(cache: HybridCache, tensor_index: int, block_ids: Sequence[int], seed: int,
+                  poison_byte: int) -> None:
+    """Source side only: a padded group's pages on a tensor where it has no layer hold no cache, so a consumer
+    must never receive them; a pattern that differs from poison makes a plan that moves them fail the check."""
+    if not block_ids:
+        return
+    raw = cache.raw(tensor_index)
+    ids = torch.tensor(list(block_ids), dtype=torch.int64, device=raw.device)
+    rows = _row_keys(pattern_base(seed, cache.geometry.num_tensors + tensor_index, PatternKind.PADDING), ids)
+    raw[ids] = _cells(rows, cache.geometry.page_bytes, 1, poison_byte)
+
+
 def poison(cache: HybridCache, byte: int = POISON_BYTE) -> None:
     """Fill every byte of every shared tensor with ``byte``."""
     if not 0 <= byte <= 0xFF:
@@ -355,7 +367,8 @@ def fill_source(cache: HybridCache, request: RequestLayout, seed: int, poison_by
     """Write the pattern into every block ``request`` holds on this producer rank.
 
     Attention: every token of every listed block, tails past num_tokens included (a correct transfer
-    leaves them behind). State: conv, ssm, and a distinct pattern in the page padding. The pattern
+    leaves them behind). State: conv, ssm, and a distinct pattern in the page padding. A padded group's
+    pages on tensors where it has no layer get a distinct pattern too (they must never move). The pattern
     depends on ``poison_byte``: pass the same one to the destination check.
     """
     _check_request(cache, request)
@@ -367,6 +380,8 @@ def fill_source(cache: HybridCache, request: RequestLayout, seed: int, poison_by
             else:
                 _write_state(cache, layer, ids[0], seed, poison_byte)
                 _write_padding(cache, tensor_index, ids[0], seed, poison_byte)
+        for tensor_index in range(len(group.layers), g.num_tensors):  # a padded group's empty slots
+            _write_unused(cache, tensor_index, ids, seed, poison_byte)
 
 
 def expected_destination_many(cache_like: HybridCache, requests: Sequence[tuple[RequestLayout, int]],
@@ -474,6 +489,9 @@ def describe_byte(geometry: RankGeometry, requests: Sequence[RequestLayout], ten
         for group, ids in zip(g.tensor_map.groups, request.block_ids, strict=True):
             if block_id not in ids:
                 continue
+            if tensor_index >= len(group.layers):
+                return block_id, (f"block {block_id} (request {r_index}) on tensor {tensor_index}, where its padded "
+                                  f"group holds no layer, page byte {in_page}")
             layer = group.layers[tensor_index]
             where = f"block {block_id} (request {r_index}, layer {layer})"
             if group.kind is LayerKind.ATTENTION:
@@ -504,7 +522,7 @@ def _describe_state(g: RankGeometry, in_page: int) -> str:
     if in_page < g.conv_bytes:
         idx, byte = divmod(in_page, g.conv_itemsize)
         if g.conv_layout is ConvLayout.DS:
-            channel, pos = divmod(idx, m.conv_window)
+            channel, pos = divmod(idx, g.conv_window)
         else:
             pos, channel = divmod(idx, g.conv_dim_local)
         segment = max(s for s in range(3) if g.conv_segment_channel_offsets[s] <= channel)

@@ -49,7 +49,7 @@ def staging_bytes(spec: BenchSpec, is_prefill: bool) -> int:
     a decode rank stages the requests it has in flight. Bytes are the rank's real bytes per request.
     """
     geo = geometry(spec, is_prefill)
-    num_fa = len(geo.model.attention_layers)
+    num_fa = geo.num_attention_layers
     per_request = max(p.tokens * geo.kv_bytes_per_token * num_fa + geo.state_bytes_per_request for p in spec.points)
     held = spec.requests if is_prefill else min(spec.requests, spec.concurrency)
     return max(1 << 20, held * per_request + (1 << 20))

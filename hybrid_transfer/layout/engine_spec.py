@@ -90,8 +90,11 @@ class EngineRankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Everything one rank's engine knows of its cache (see the module docstring).
 
     page_size_bytes: bytes of one block of one slot, padding included (the engine's padded
-    page). layer_slots: indexed by model layer, the slot (shared tensor) that holds it.
-    groups: the engine's cache groups in the engine's order (block-id tuples follow it).
+    page). layer_slots: indexed by cached layer (the model's, then the draft layers), the slot
+    (shared tensor) that holds it. groups: the engine's cache groups in the engine's order
+    (block-id tuples follow it); a draft (MTP) layer i is layer ``num_layers + i`` in both.
+    draft_layers / speculative_slots: MTP's cached attention layers and speculative tokens
+    (docs/layout.md#draft-layers).
     """
 
     attention: EngineAttentionSpec
@@ -104,6 +107,8 @@ class EngineRankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     conv_layout: ConvLayout = ConvLayout.DS
     ssm_order: SsmOrder = SsmOrder.V_D_K
     kv_interior: str = TOKEN_MAJOR  # the attention kernel's page interior (docs/attention-layouts.md#page-interiors)
+    draft_layers: int = 0
+    speculative_slots: int = 0
 
     def __post_init__(self) -> None:
         _enum(self, "kv_layout", KVLayout)
@@ -112,9 +117,11 @@ class EngineRankSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 def expected_state_shapes(geometry: RankGeometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(conv shape, ssm shape) of one block of one GDN layer, in the geometry's layouts (engine convention)."""
+    """(conv shape, ssm shape) of one block of one GDN layer, in the geometry's layouts (engine convention).
+
+    The conv window is w-1 plus the speculative slots, as the engine widens it for MTP."""
     m = geometry.model
-    conv = (geometry.conv_dim_local, m.conv_window)
+    conv = (geometry.conv_dim_local, geometry.conv_window)
     if geometry.conv_layout is ConvLayout.SD:
         conv = conv[::-1]
     heads = len(geometry.value_heads)
@@ -140,6 +147,7 @@ def geometry_from_engine_spec(model: ModelSpec, tp_size: int, tp_rank: int, spec
         conv_dtype=state.conv_dtype if state is not None else None,
         block_size=attn.block_size, kernel_block_size=attn.kernel_block_size, conv_layout=spec.conv_layout,
         ssm_order=spec.ssm_order, kv_layout=spec.kv_layout, kv_interior=spec.kv_interior,
+        draft_layers=spec.draft_layers, speculative_slots=spec.speculative_slots,
     )
     differences: list[tuple[str, Any, Any]] = []  # (field, engine, registry)
     # Sharding is checked on a geometry with default block sizes, so a bad block size is reported
@@ -217,9 +225,9 @@ def to_engine_group_order(our_block_ids: Sequence[Sequence[int]], order: Sequenc
     return tuple(out)
 
 
-def engine_groups_of(model: ModelSpec) -> tuple[EngineGroup, ...]:
+def engine_groups_of(model: ModelSpec, draft_layers: int = 0) -> tuple[EngineGroup, ...]:
     """The registry's own groups as EngineGroups (attention first): what a matching engine reports, reordered."""
-    return tuple(EngineGroup(kind=g.kind, layers=g.layers) for g in build_tensor_map(model).groups)
+    return tuple(EngineGroup(kind=g.kind, layers=g.layers) for g in build_tensor_map(model, draft_layers).groups)
 
 
 def _group_sets(groups: Sequence[Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -34,6 +34,8 @@ class Fingerprint(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     n_minus_one: bool
     layer_tensor: tuple[int, ...]
     kv_interior: str = TOKEN_MAJOR  # protocol 9: kernel pages of another interior mean other bytes per token
+    draft_layers: int = 0  # protocol 10: MTP attention layers after the model's (layer_tensor covers them too)
+    speculative_slots: int = 0  # protocol 10: the conv window w-1+s, so the state page's bytes
 
     def digest(self) -> str:
         """A short stable hash, for logs and the handshake envelope."""
@@ -60,6 +62,8 @@ def fingerprint_of(geometry: RankGeometry, *, n_minus_one: bool = True) -> Finge
         n_minus_one=n_minus_one,
         layer_tensor=geometry.tensor_map.layer_tensor,
         kv_interior=geometry.kv_interior,
+        draft_layers=geometry.draft_layers,
+        speculative_slots=geometry.speculative_slots,
     )
 
 

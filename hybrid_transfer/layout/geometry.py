@@ -14,7 +14,7 @@ from functools import cached_property
 import msgspec
 
 from hybrid_transfer.errors import ConfigError, ShardingError
-from hybrid_transfer.layout.model import DType, ModelSpec
+from hybrid_transfer.layout.model import DType, LayerKind, ModelSpec
 from hybrid_transfer.layout.tensor_map import TensorMap, build_tensor_map
 
 DEFAULT_ALIGNMENT = 16  # FlashAttention's smallest kernel block
@@ -93,9 +93,19 @@ class CacheOptions(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # (docs/attention-layouts.md#page-interiors): TOKEN_MAJOR, or the name of a kernel whose order is not
     # known to be token-major (its kernel pages then move whole, never split by token).
     kv_interior: str = TOKEN_MAJOR
+    # MTP speculative decoding (docs/layout.md#draft-layers): attention layers of the draft module cached after the
+    # model's (cached layer num_layers + i), and the speculative tokens s that widen each conv window to w-1+s.
+    draft_layers: int = 0
+    speculative_slots: int = 0
 
     def __post_init__(self) -> None:
         check_kv_interior(self.kv_interior)
+        for name in ("draft_layers", "speculative_slots"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ConfigError(f"{name}={value!r} must be a non-negative integer", field=name, value=value)
+            if type(value) is not int:
+                msgspec.structs.force_setattr(self, name, int(value))
         for name in ("kv_dtype", "ssm_dtype", "conv_dtype"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, DType):
@@ -150,7 +160,9 @@ class RankGeometry:
         self.ssm_order = self.options.ssm_order
         self.kv_layout = self.options.kv_layout
         self.kv_interior = self.options.kv_interior
-        self.tensor_map: TensorMap = build_tensor_map(model)
+        self.draft_layers = self.options.draft_layers
+        self.speculative_slots = self.options.speculative_slots
+        self.tensor_map: TensorMap = build_tensor_map(model, self.draft_layers)
         self._check_block_sizes()
 
     # ---- attention ---------------------------------------------------------
@@ -186,10 +198,36 @@ class RankGeometry:
         """K and V bytes of one token in one full-attention layer (attn_1tok)."""
         return 2 * self.num_kv_heads_local * self.head_token_bytes
 
+    @property
+    def num_attention_layers(self) -> int:
+        """Cached attention layers: the model's plus the draft layers."""
+        return len(self.model.attention_layers) + self.draft_layers
+
+    def cached_layers(self) -> tuple[tuple[int, LayerKind], ...]:
+        """Every cached layer with its kind: the model's layers, then the draft layers (``num_layers + i``)."""
+        return self.tensor_map.cached_layers()
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        """Kind of a cached layer (draft layers included).
+
+        Raises:
+            ConfigError: no such cached layer.
+        """
+        kinds = self.tensor_map.layer_kinds
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < len(kinds):
+            raise ConfigError(f"layer={layer!r} out of range [0, {len(kinds)})", field="layer", value=layer)
+        return kinds[layer]
+
     # ---- GDN state ---------------------------------------------------------
     @property
     def has_gdn(self) -> bool:
         return bool(self.model.gdn_layers)
+
+    @property
+    def conv_window(self) -> int:
+        """Stored conv positions per channel: w-1, plus the speculative slots (only [0, w-1) is read when
+        decoding starts; the rest is scratch, moved whole since both sides have the same s)."""
+        return self.model.conv_window + self.speculative_slots
 
     @cached_property
     def conv_channel_ranges(self) -> tuple[range, range, range]:
@@ -218,12 +256,12 @@ class RankGeometry:
     @cached_property
     def conv_segment_bytes(self) -> tuple[int, int, int]:
         """s0, s1, s2: bytes of the local Q, K and V conv segments."""
-        w = self.model.conv_window
+        w = self.conv_window
         return tuple(len(c) * w * self.conv_itemsize for c in self.conv_channel_ranges)  # type: ignore[return-value]
 
     @property
     def conv_bytes(self) -> int:
-        return self.conv_dim_local * self.model.conv_window * self.conv_itemsize
+        return self.conv_dim_local * self.conv_window * self.conv_itemsize
 
     @property
     def value_heads(self) -> range:
@@ -366,7 +404,7 @@ class RankGeometry:
             "kv_heads": [self.kv_heads.start, self.kv_heads.stop],
             "kv_heads_replicated": self.kv_heads_replicated,
             "kv_bytes_per_token": self.kv_bytes_per_token,
-            "kv_bytes_per_token_all_layers": self.kv_bytes_per_token * len(self.model.attention_layers),
+            "kv_bytes_per_token_all_layers": self.kv_bytes_per_token * self.num_attention_layers,
             "conv_dim_local": self.conv_dim_local,
             "conv_segment_bytes": list(self.conv_segment_bytes),
             "conv_bytes": self.conv_bytes,
@@ -384,6 +422,8 @@ class RankGeometry:
             "conv_layout": self.conv_layout.value,
             "kv_layout": self.kv_layout.value,
             "kv_interior": self.kv_interior,
+            **({"draft_layers": self.draft_layers, "speculative_slots": self.speculative_slots,
+                "conv_window": self.conv_window} if self.draft_layers or self.speculative_slots else {}),
         }
 
     def __repr__(self) -> str:

@@ -182,17 +182,19 @@ def pack_recipe(rec: Recipe, index: int, tpl: SourceTemplate, local_base: np.nda
     tensor = fake_shape.const // span
     stage = StageShape(fake_shape.sel, fake_shape.const - stand_in[tensor] + tpl.tensor_addrs[tensor],
                        fake_shape.length, fake_shape.offset, fake_shape.page_bytes)
-    # Rows tensor-major, as the direct plan's.
-    ra = (stand_in[:num_tensors, None] + (rsel * remote_page + rconst)[None, :]).ravel()
-    ln = np.tile(length, num_tensors)
-    row, within, staged, plen = split_rows(fake, ra, ln, num_tensors)
+    # Rows tensor-major, as the direct plan's; a padded group's pieces only on the tensors holding its layers.
+    held = (np.ones((num_tensors, length.shape[0]), dtype=bool) if rec.tensors is None
+            else np.arange(num_tensors, dtype=np.int64)[:, None] < rec.tensors[mine][None, :])
+    ra = (stand_in[:num_tensors, None] + (rsel * remote_page + rconst)[None, :])[held]
+    ln = np.broadcast_to(length, held.shape)[held]
+    row, within, staged, plen = split_rows(fake, ra, ln, num_tensors if rec.tensors is None else 1)
     read_remote, read_local, read_length = read_runs(staged, plen)
     if int(read_length.sum()) != int(ln.sum()):
         raise PlanError(f"source {tpl.source_rank}: read ranges hold {int(read_length.sum())} B of the rows' "
                         f"{int(ln.sum())} B", source_rank=tpl.source_rank)
     src = np.cumsum(plen) - plen
-    sel = np.tile(lsel, num_tensors)[row]
-    const = (local_base[:, None] + lconst[None, :]).ravel()[row] + within
+    sel = np.broadcast_to(lsel, held.shape)[held][row]
+    const = (local_base[:, None] + lconst[None, :])[held][row] + within
     joined = np.concatenate(([False], (sel[1:] == sel[:-1]) & (const[1:] == const[:-1] + plen[:-1])))
     starts = np.flatnonzero(~joined)
     return PackRecipe(stage=StageShape(*(_frozen(a) for a in (stage.sel, stage.const, stage.length, stage.offset)),

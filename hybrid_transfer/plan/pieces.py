@@ -131,6 +131,9 @@ class Recipe:
     length: np.ndarray
     key: np.ndarray | None  # naive mode only
     tail: np.ndarray  # positions of the pieces cut from the frame's last segment (all of one length)
+    # Per piece, how many tensors (0 .. n-1) hold a layer of its group; None when every group is on every tensor.
+    # A padded group (docs/layout.md#padded-groups) has no layer, and nothing to move, on the tensors past it.
+    tensors: np.ndarray | None = None
 
     def with_tail(self, head_bytes: int) -> Recipe:
         """This recipe for another token end with the same segments (``last_cut``): only the last segment's
@@ -141,7 +144,7 @@ class Recipe:
         length[self.tail] = head_bytes
         # The constructor, not dataclasses.replace, which walks the fields: 1.3 us against 2.3, every request.
         return Recipe(self.local_sel, self.local_const, self.remote_sel, self.remote_const, length, self.key,
-                      self.tail)
+                      self.tail, self.tensors)
 
     def pieces(self, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int, remote_page: int) -> Pieces:
         """This shape's pieces for one request's flat block-id arrays."""
@@ -150,8 +153,12 @@ class Recipe:
 
 
 def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: Sequence[int],
-           gdn_groups: np.ndarray, local_lens: Sequence[int], remote_lens: Sequence[int], with_key: bool) -> Recipe:
+           gdn_groups: np.ndarray, local_lens: Sequence[int], remote_lens: Sequence[int], with_key: bool,
+           group_tensors: Sequence[int] | None = None) -> Recipe:
     """The pieces of one request shape (``*_lens``: each group's block-id list length on that side).
+
+    ``group_tensors``: per group, the tensors holding one of its layers, when some group is padded (the
+    recipe's ``tensors`` then says, per piece, onto how many tensors it broadcasts).
 
     KV: one piece per (attention group, segment, half, head slot), segment-major; a segment's start
     (head 0, K half) is the ``frame.*_block``-th block of the group plus ``frame.*_const``. The naive
@@ -165,7 +172,7 @@ def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: 
     """
     l_start = np.concatenate(([0], np.cumsum(local_lens, dtype=np.int64)[:-1]))
     r_start = np.concatenate(([0], np.cumsum(remote_lens, dtype=np.int64)[:-1]))
-    sel_l, const_l, sel_r, const_r, length, key, tail = [], [], [], [], [], [], []
+    sel_l, const_l, sel_r, const_r, length, key, tail, tensors = [], [], [], [], [], [], [], []
     c = kv.half.shape[0]
     per_group = frame.num_segments * c
     if c:
@@ -180,6 +187,8 @@ def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: 
             const_r.append((frame.remote_const[:, None] + kv.remote_const[None, :]).ravel())
             length.append(np.repeat(frame.head_bytes, c))
             key.append((seg_idx[:, None] * 2 + kv.half[None, :]).ravel() + g * _GROUP_KEY)
+            if group_tensors is not None:
+                tensors.append(np.full(per_group, group_tensors[g], dtype=np.int64))
             if per_group:  # segment-major: the group's last c pieces are its last segment's
                 end = len(length) * per_group
                 tail.append(np.arange(end - c, end, dtype=np.int64))
@@ -195,9 +204,11 @@ def recipe(frame: SegmentFrame, kv: KVTemplate, st: StateTemplate, attn_groups: 
         const_r.append(np.tile(st.remote_off, n))
         length.append(np.tile(st.length, n))
         key.append((gdn_groups[:, None] * _GROUP_KEY + st.key[None, :]).ravel())
+        if group_tensors is not None:
+            tensors.append(np.repeat(np.asarray(group_tensors, dtype=np.int64)[gdn_groups], r))
 
     def cat(parts: list[np.ndarray]) -> np.ndarray:
         return np.concatenate(parts).astype(np.int64, copy=False) if parts else np.empty(0, dtype=np.int64)
 
     return Recipe(cat(sel_l), cat(const_l), cat(sel_r), cat(const_r), cat(length), cat(key) if with_key else None,
-                  cat(tail))
+                  cat(tail), cat(tensors) if group_tensors is not None else None)

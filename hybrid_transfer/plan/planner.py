@@ -50,7 +50,8 @@ from hybrid_transfer.plan.validate import (
 
 _FRAME_CACHE_SIZE = 64
 _SEEN_CACHE_SIZE = 1024
-_LAYOUT_FIELDS = ("conv_layout", "ssm_order", "kv_layout", "kv_interior")
+# draft_layers / speculative_slots: another map of layers to tensors, another conv window (docs/layout.md#draft-layers).
+_LAYOUT_FIELDS = ("conv_layout", "ssm_order", "kv_layout", "kv_interior", "draft_layers", "speculative_slots")
 _NOT_AFFINE = object()  # a structure whose pack recipe is not one per structure: keyed on the exact count
 # Every dtype a descriptor carries must be equal on both sides (an item size read with the other side's dtype is
 # wrong bytes, not an error): found by name, so a dtype field added to RankDescriptor is checked without an edit.
@@ -111,7 +112,11 @@ class Planner:
         biggest = max(d.region_bytes for d in self.remote_descs)
         if biggest >> SOURCE_SHIFT:
             raise PlanError(f"remote region of {biggest} B is too large to plan", region_bytes=biggest)
-        groups = self.local.tensor_map.groups
+        tensor_map = self.local.tensor_map
+        groups = tensor_map.groups
+        # A padded group's pieces broadcast onto the tensors holding its layers only (None: every group on every one).
+        self._group_tensors = tensor_map.group_tensors if tensor_map.is_padded else None
+        self._tensor_index = np.arange(self.local.num_tensors, dtype=np.int64)[:, None]
         self._kinds = tuple(g.kind for g in groups)
         self._attn_groups = tuple(i for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION)
         self._gdn_groups = np.array([i for i, g in enumerate(groups) if g.kind is LayerKind.GDN], dtype=np.int64)
@@ -127,7 +132,7 @@ class Planner:
         self._remote_base = np.stack([t.tensor_addrs for t in self.templates], axis=1)
         self._local_page = self.local.page_bytes
         self._remote_page = self.remote.page_bytes
-        self._kv_bytes_per_token = self.local.kv_bytes_per_token * len(model.attention_layers)
+        self._kv_bytes_per_token = self.local.kv_bytes_per_token * self.local.num_attention_layers
         self._state_bytes = self.local.state_bytes_per_request
         self._kv_stride = self.local.kv_token_stride  # a geometry property, computed on every read
 
@@ -336,7 +341,8 @@ class Planner:
             if len(self._recipes) >= _FRAME_CACHE_SIZE:
                 self._recipes.pop(next(iter(self._recipes)))
             rec = self._recipes[key] = recipe(self._frame(token_end, first_token), self._kv, self._state,
-                                              self._attn_groups, self._gdn_groups, local_lens, remote_lens, naive)
+                                              self._attn_groups, self._gdn_groups, local_lens, remote_lens, naive,
+                                              self._group_tensors)
             return rec
         return rec.with_tail((token_end - cut) * self._kv_stride)
 
@@ -411,12 +417,28 @@ class Planner:
         spread_l = np.arange(sum(local_lens), dtype=np.int64) * 2
         spread_r = np.arange(sum(remote_lens), dtype=np.int64) * 2
         pieces = rec.pieces(spread_l, spread_r, self._local_page, self._remote_page)
-        rel_l, _, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, None)
+        rel_l, rel_r, rel_len, ntens = self._merge(rec, pieces)
         src = rel_l >> SOURCE_SHIFT
-        tensors = self._local_base.shape[0]
-        counts = np.bincount(src, minlength=len(self.templates)) * tensors
-        nbytes = np.bincount(src, weights=rel_len, minlength=len(self.templates)) * tensors
+        if ntens is None:
+            tensors = self._local_base.shape[0]
+            counts = np.bincount(src, minlength=len(self.templates)) * tensors
+            nbytes = np.bincount(src, weights=rel_len, minlength=len(self.templates)) * tensors
+        else:
+            counts = np.bincount(src, weights=ntens, minlength=len(self.templates)).astype(np.int64)
+            nbytes = np.bincount(src, weights=rel_len * ntens, minlength=len(self.templates))
         return ([int(c) for c in counts if c], [int(b) for c, b in zip(counts, nbytes, strict=True) if c])
+
+    def _merge(self, rec: Recipe, pieces) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Merged (local, remote, length) pieces of one tensor and, with padded groups, the tensors each covers.
+
+        Pieces of groups on different tensor counts must not merge: their remote offsets carry
+        ``num_tensors - count`` above SOURCE_SHIFT through the merge, which keeps them apart."""
+        if rec.tensors is None:
+            return (*merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key), None)
+        num_tensors = self._tensor_index.shape[0]
+        tagged = pieces.remote_off + ((num_tensors - rec.tensors) << SOURCE_SHIFT)
+        rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, tagged, pieces.length, pieces.key)
+        return rel_l, rel_r & SOURCE_MASK, rel_len, num_tensors - (rel_r >> SOURCE_SHIFT)
 
     def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
                        flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel,
@@ -432,7 +454,7 @@ class Planner:
         remote_lens = tuple(a.shape[0] for a in remote_ids)
         rec = self._recipe(token_end, naive, local_lens, remote_lens, first_token)
         pieces = rec.pieces(flat_l, flat_r, self._local_page, self._remote_page)
-        rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, pieces.remote_off, pieces.length, pieces.key)
+        rel_l, rel_r, rel_len, ntens = self._merge(rec, pieces)
         num_sources = len(self.templates)
         if num_sources == 1:
             bounds = [0, rel_l.shape[0]]
@@ -445,6 +467,8 @@ class Planner:
             rem = self._remote_base[:, src] + rel_r[None, :]
         loc = self._local_base[:, None] + rel_l[None, :]
         length = rel_len[None, :].repeat(loc.shape[0], axis=0)
+        # [tensor, piece]: whether the piece's group has a layer on the tensor (padded groups only).
+        held = None if ntens is None else self._tensor_index < ntens[None, :]
         out: list[SourcePlan | PackSourcePlan] = []
         ld = self.local_desc.device_id
         # A prefix hit's read starts past token 0, where no staging layout starts: it stays direct.
@@ -454,7 +478,11 @@ class Planner:
             a, b = bounds[i], bounds[i + 1]
             if a == b:
                 continue
-            cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
+            if held is None:
+                cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
+            else:
+                mask = held[:, a:b]
+                cols = (loc[:, a:b][mask], rem[:, a:b][mask], length[:, a:b][mask])
             direct = SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id)
             if packs:
                 pack = self._pack(rec, i, num_tokens, local_lens, remote_lens)

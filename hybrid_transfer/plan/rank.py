@@ -35,6 +35,8 @@ class RankDescriptor(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     kv_layout: str = KVLayout.INTERLEAVED.value  # protocol 3
     conv_dtype: str = ""  # protocol 4: the conv state's dtype when an engine overrides it ("": the model dtype)
     kv_interior: str = TOKEN_MAJOR  # protocol 9: the attention kernel's page interior (docs/attention-layouts.md)
+    draft_layers: int = 0  # protocol 10: MTP attention layers cached after the model's (docs/layout.md#draft-layers)
+    speculative_slots: int = 0  # protocol 10: speculative tokens s, the conv window is w-1+s
 
     @property
     def region_bytes(self) -> int:
@@ -66,6 +68,8 @@ def describe_rank(geometry: RankGeometry, tensor_addrs: tuple[int, ...] | list[i
         kv_layout=geometry.kv_layout.value,
         conv_dtype=geometry.conv_dtype.value,
         kv_interior=geometry.kv_interior,
+        draft_layers=geometry.draft_layers,
+        speculative_slots=geometry.speculative_slots,
     )
 
 
@@ -85,6 +89,8 @@ def geometry_from_descriptor(model: ModelSpec, desc: RankDescriptor) -> RankGeom
         kv_layout=desc.kv_layout,
         conv_dtype=DType(desc.conv_dtype) if desc.conv_dtype else None,
         kv_interior=desc.kv_interior,
+        draft_layers=desc.draft_layers,
+        speculative_slots=desc.speculative_slots,
     )
     geometry = RankGeometry(model, desc.tp_size, desc.tp_rank, options)
     for name, ours, theirs in (

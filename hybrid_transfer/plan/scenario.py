@@ -25,9 +25,9 @@ def fake_engine(model: ModelSpec, tp_size: int, options: CacheOptions | None, nu
             for r, g in enumerate(geos)]
 
 
-def blocks_needed(model: ModelSpec, block_size: int, num_tokens: int) -> list[int]:
+def blocks_needed(model: ModelSpec, block_size: int, num_tokens: int, draft_layers: int = 0) -> list[int]:
     """Block ids per cache group of a request: ceil(n / B) per attention group, one per GDN group."""
-    kinds = [g.kind for g in build_tensor_map(model).groups]
+    kinds = [g.kind for g in build_tensor_map(model, draft_layers).groups]
     need = -(-num_tokens // block_size)
     return [need if k is LayerKind.ATTENTION else 1 for k in kinds]
 

@@ -135,8 +135,14 @@ def stage_shape(geometry: RankGeometry, tensor_addrs: Sequence[int], list_lens: 
     start = np.concatenate(([0], np.cumsum(list_lens, dtype=np.int64)[:-1])).astype(np.int64)
     attn = [(int(start[i]), int(list_lens[i])) for i, g in enumerate(groups) if g.kind is LayerKind.ATTENTION]
     gdn = [(int(start[i]), int(list_lens[i])) for i, g in enumerate(groups) if g.kind is LayerKind.GDN]
-    kv_sel, kv_const, kv_len = _kv_atoms(geometry, base, attn, num_tokens)
-    st_sel, st_const, st_len = _state_atoms(geometry, base, gdn)
+    # [group, tensor]: a padded group stages nothing on the tensors where it has no layer (None: no padded group).
+    tensor_map = geometry.tensor_map
+    held = None
+    if tensor_map.is_padded:
+        held = np.arange(base.shape[0], dtype=np.int64)[None, :] < np.array(tensor_map.group_tensors)[:, None]
+    kinds = [g.kind for g in groups]
+    kv_sel, kv_const, kv_len = _kv_atoms(geometry, base, attn, num_tokens, _rows_of(held, kinds, LayerKind.ATTENTION))
+    st_sel, st_const, st_len = _state_atoms(geometry, base, gdn, _rows_of(held, kinds, LayerKind.GDN))
     length = np.concatenate((kv_len, st_len))
     offset = np.zeros_like(length)
     np.cumsum(length[:-1], out=offset[1:])
@@ -144,11 +150,28 @@ def stage_shape(geometry: RankGeometry, tensor_addrs: Sequence[int], list_lens: 
                       geometry.page_bytes)
 
 
+def _rows_of(held: np.ndarray | None, kinds: list[LayerKind], kind: LayerKind) -> np.ndarray | None:
+    """The [group, tensor] rows of ``held`` for the groups of one kind, in group order."""
+    return None if held is None else held[[i for i, k in enumerate(kinds) if k is kind]]
+
+
+def _kept(held: np.ndarray | None, shape: tuple[int, ...], group_axis: int, *arrays: np.ndarray) -> list[np.ndarray]:
+    """``arrays`` broadcast to ``shape`` and flattened, without the atoms of (group, tensor) pairs ``held`` leaves out
+    (axis ``group_axis`` and the next are group and tensor)."""
+    full = [np.broadcast_to(a, shape) for a in arrays]
+    if held is None:
+        return [np.ascontiguousarray(a).ravel() for a in full]
+    expand = (None,) * group_axis + (slice(None), slice(None)) + (None,) * (len(shape) - group_axis - 2)
+    mask = np.broadcast_to(held[expand], shape)
+    return [a[mask] for a in full]
+
+
 def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[tuple[int, int]],
-              n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+              n: int, held: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Shape (head slot, group, tensor, half, kernel block), flattened; the half axis has length 1 in interleaved.
 
-    ``attn``: (position of the list's first id in the flat ids, list length) per attention group.
+    ``attn``: (position of the list's first id in the flat ids, list length) per attention group; ``held``:
+    [group, tensor], False where a padded group has no layer (no atoms there).
     """
     if not attn:
         return _EMPTY, _EMPTY, _EMPTY
@@ -169,15 +192,13 @@ def _kv_atoms(g: RankGeometry, base: np.ndarray, attn: list[tuple[int, int]],
     const = (heads[:, None, None, None, None] + kconst[None, None, None, None, :] + base[None, None, :, None, None]
              + halves[None, None, None, :, None])
     shape = (heads.shape[0], len(attn), base.shape[0], halves.shape[0], q.shape[0])
-    sel = np.broadcast_to(block[None, :, None, None, :], shape)
-    length = np.broadcast_to(valid * g.kv_token_stride, shape)
-    return np.ascontiguousarray(sel).ravel(), np.ascontiguousarray(np.broadcast_to(const, shape)).ravel(), \
-        np.ascontiguousarray(length).ravel()
+    sel, const, length = _kept(held, shape, 1, block[None, :, None, None, :], const, valid * g.kv_token_stride)
+    return sel, const, length
 
 
-def _state_atoms(g: RankGeometry, base: np.ndarray,
-                 gdn: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Shape (fine share, piece of the page, group, tensor), flattened."""
+def _state_atoms(g: RankGeometry, base: np.ndarray, gdn: list[tuple[int, int]],
+                 held: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Shape (fine share, piece of the page, group, tensor), flattened (``held`` as in ``_kv_atoms``)."""
     if not gdn or not g.has_gdn:
         return _EMPTY, _EMPTY, _EMPTY
     for i, (_, count) in enumerate(gdn):
@@ -188,9 +209,8 @@ def _state_atoms(g: RankGeometry, base: np.ndarray,
     rel, length = _share_pieces(g)
     shape = (rel.shape[0], rel.shape[1], blocks.shape[0], base.shape[0])
     const = rel[:, :, None, None] + base[None, None, None, :]
-    return (np.ascontiguousarray(np.broadcast_to(blocks[None, None, :, None], shape)).ravel(),
-            np.ascontiguousarray(np.broadcast_to(const, shape)).ravel(),
-            np.ascontiguousarray(np.broadcast_to(length[:, :, None, None], shape)).ravel())
+    sel, const, length = _kept(held, shape, 2, blocks[None, None, :, None], const, length[:, :, None, None])
+    return sel, const, length
 
 
 def _share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
@@ -209,7 +229,7 @@ def _compute_share_pieces(g: RankGeometry) -> tuple[np.ndarray, np.ndarray]:
     num_key = len(g.conv_channel_ranges[0]) // m.linear_key_head_dim
     num_value = len(g.value_heads)
     shares = math.gcd(num_key, num_value)
-    isz, w = g.conv_itemsize, m.conv_window
+    isz, w = g.conv_itemsize, g.conv_window
     rows = []
     for f in range(shares):
         row = []

@@ -114,7 +114,7 @@ def state_template(local: RankGeometry, source: RankGeometry) -> StateTemplate:
     rows: list[tuple[int, int, int, int]] = []
     if local.has_gdn:
         isz = local.conv_itemsize
-        w = local.model.conv_window
+        w = local.conv_window
         for seg in range(3):
             lr, sr = local.conv_channel_ranges[seg], source.conv_channel_ranges[seg]
             lo, hi = _intersect(lr, sr)

@@ -39,7 +39,7 @@ class ExpectedBytes:
     otherwise walks the model's layer list twice: tens of microseconds on the decode thread)."""
 
     def __init__(self, local: RankGeometry):
-        self.kv_bytes_per_token = local.kv_bytes_per_token * len(local.model.attention_layers)
+        self.kv_bytes_per_token = local.kv_bytes_per_token * local.num_attention_layers
         self.state_bytes = local.state_bytes_per_request
 
     def __call__(self, num_tokens: int, first_token: int = 0) -> int:

@@ -68,6 +68,21 @@ def models(draw, max_tp: int):
 
 
 @st.composite
+def mtp_models(draw, max_tp: int):
+    """``models``, or a GDN model with an irregular layer pattern (uneven kinds: padded groups even without drafts)."""
+    if draw(st.booleans()):
+        return draw(models(max_tp))
+    base = draw(models(max_tp).filter(lambda m: bool(m.gdn_layers)))
+    pattern = draw(st.lists(st.sampled_from(["full_attention", "linear_attention"]), min_size=2, max_size=9)
+                   .filter(lambda ks: len(set(ks)) == 2))
+    cfg = {f: getattr(base, f) for f in ("head_dim", "linear_num_key_heads", "linear_num_value_heads",
+                                         "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim")}
+    cfg.update(num_hidden_layers=len(pattern), layer_types=pattern, num_key_value_heads=base.num_kv_heads,
+               dtype=base.dtype.value, mamba_ssm_dtype=base.ssm_dtype.value)
+    return model_from_config(cfg, name="prop-irregular")
+
+
+@st.composite
 def side_options(draw, model, tp, shared):
     """Block and kernel block sizes of one side; None derives the block size by page-size unification."""
     if draw(st.booleans()):
@@ -82,15 +97,20 @@ def side_options(draw, model, tp, shared):
 
 
 @st.composite
-def scenarios(draw):
+def scenarios(draw, mtp: bool = False):
+    """``mtp``: draft (MTP) attention layers and speculative conv slots too, and irregular layer patterns,
+    so that padded groups (docs/layout.md#padded-groups) are common."""
     p, d = draw(TP), draw(TP)
-    model = draw(models(max(p, d)))
+    model = draw(mtp_models(max(p, d)) if mtp else models(max(p, d)))
     shared = {
         "kv_dtype": draw(st.sampled_from([None, None, DType.FP8])),
         "conv_layout": draw(st.sampled_from([ConvLayout.DS, ConvLayout.DS, ConvLayout.SD])),
         "ssm_order": draw(st.sampled_from(list(SsmOrder))),
         "kv_layout": draw(st.sampled_from(list(KVLayout))),
     }
+    if mtp:
+        shared["draft_layers"] = draw(st.integers(0, 3))
+        shared["speculative_slots"] = draw(st.integers(0, 3))
     # An opaque page interior (vLLM's CPU kernels) moves partial kernel pages whole; both sides then
     # need one kernel block size (the planner refuses others, tested in test_page_interior.py).
     opaque = draw(st.booleans())
@@ -163,6 +183,11 @@ def assert_page_granular(plan, local_cache, local_req, remote_caches, remote_req
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 @given(scenarios())
 def test_every_plan_moves_exactly_the_right_bytes(s):
+    check_every_plan(s)
+
+
+def check_every_plan(s):
+    """Plan, execute and check every decode rank of one scenario, and who notifies whom."""
     rng = np.random.default_rng(s["seed"])
     model, n = s["model"], s["tokens"]
     pre, pre_descs, pre_req = engine(model, s["p"], s["prefill"], n, s["spare"], rng, s["fragmentation"])
@@ -183,7 +208,7 @@ def test_every_plan_moves_exactly_the_right_bytes(s):
             assert plan.expected_bytes == planner.expected_bytes(n)  # valid bytes only
         elif not naive:  # whole kernel pages: tokens up to the end of the last page holding one
             kbs = dec[rank].geometry.kernel_block_size
-            per_token = dec[rank].geometry.kv_bytes_per_token * len(model.attention_layers)
+            per_token = dec[rank].geometry.kv_bytes_per_token * dec[rank].geometry.num_attention_layers
             state = planner.expected_bytes(n) - n * per_token
             assert plan.expected_bytes == -(-n // kbs) * kbs * per_token + state
         execute(plan, memory_space(cache, f"decode {rank}"), remotes)
@@ -200,6 +225,19 @@ def test_every_plan_moves_exactly_the_right_bytes(s):
     for notes in heard.values():
         assert len({r for r, _ in notes}) == len(notes)
         assert {e for _, e in notes} == {len(notes)}
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+@given(scenarios(mtp=True))
+def test_draft_layers_and_padded_groups_move_exactly_the_right_bytes(s):
+    """As above with MTP's cache: draft attention layers after the model's, conv windows widened by the
+    speculative slots, groups padded as vLLM pads them. A padded group's pages on tensors where it has no
+    layer hold a pattern on the prefill side (verify.fill_source) and must stay poison on the decode side."""
+    check_every_plan(s)
+    draft = s["shared"]["draft_layers"]
+    g = RankGeometry(s["model"], s["d"], 0, s["decode"])
+    assert g.tensor_map.num_cached_layers == s["model"].num_layers + draft
+    assert g.num_attention_layers == len(s["model"].attention_layers) + draft
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
