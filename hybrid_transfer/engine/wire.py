@@ -65,7 +65,7 @@ from hybrid_transfer.errors import WireDecodeError, echo
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name

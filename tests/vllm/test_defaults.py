@@ -35,10 +35,16 @@ def test_a_mamba_cache_mode_the_connector_does_not_know_is_refused_by_name(model
         engine_rank_spec(kvc, _attention_view())
 
 
-def test_speculative_state_blocks_are_refused_naming_the_setting(model_dir):
+def test_speculative_state_blocks_widen_the_conv_state_and_refuse_prefix_caching(model_dir):
+    """MTP's speculative blocks (num_speculative_blocks) come with a conv state widened by as many slots: taken
+    without prefix caching; with align mode, where the running state sits among them was not measured, so
+    it is refused naming the flag that fixes it."""
     cfg = make_vllm_config(model_dir, tp_size=1, block_size=64, kv_role="kv_both")
     kvc = _with_mamba(make_kv_cache_config(cfg, 16), num_speculative_blocks=2)
-    with pytest.raises(UnsupportedError, match="--speculative-config"):
+    spec = engine_rank_spec(kvc, _attention_view())
+    assert spec.speculative_slots == 2 and spec.draft_layers == 0
+    kvc = _with_mamba(kvc, mamba_cache_mode="align")
+    with pytest.raises(UnsupportedError, match="--no-enable-prefix-caching"):
         engine_rank_spec(kvc, _attention_view())
 
 
@@ -46,3 +52,13 @@ def _attention_view():
     import torch
 
     return torch.zeros(1, 1, 64, 1)
+
+
+def test_an_mtp_layer_is_a_draft_layer_after_the_models_never_model_layer_0():
+    from hybrid_transfer.integrations.vllm.groups import layer_index
+
+    assert layer_index("model.layers.0.linear_attn", 4) == 0
+    assert layer_index("mtp.layers.0.self_attn.attn", 4) == 4
+    assert layer_index("model.mtp.layers.1.self_attn.attn", 4) == 5
+    with pytest.raises(UnsupportedError, match="MTP draft layer"):
+        layer_index("mtp.layers.0.self_attn.attn")

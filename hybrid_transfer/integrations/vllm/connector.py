@@ -29,7 +29,7 @@ from hybrid_transfer.engine.tickets import EngineCard, decode_rank_card
 from hybrid_transfer.errors import UnsupportedError
 from hybrid_transfer.integrations.vllm import params as kvp
 from hybrid_transfer.integrations.vllm.geometry import REQUIRED_LAYOUT, model_of, wrap_engine_cache
-from hybrid_transfer.integrations.vllm.groups import GroupMap
+from hybrid_transfer.integrations.vllm.groups import GroupMap, draft_layers_of
 from hybrid_transfer.integrations.vllm.metadata import HandshakeCard, HybridConnectorMetadata
 from hybrid_transfer.integrations.vllm.scheduler import SchedulerSide
 from hybrid_transfer.integrations.vllm.stats import HybridKVConnectorStats, HybridPromMetrics
@@ -95,7 +95,8 @@ class HybridNixlConnector(KVConnectorBase_V1, SupportsHMA):
         if role is KVConnectorRole.SCHEDULER:
             model = model_of(vllm_config)
             groups = kv_cache_config.kv_cache_groups
-            group_map = GroupMap.build(build_tensor_map(model), kv_cache_config)
+            group_map = GroupMap.build(build_tensor_map(model, draft_layers_of(kv_cache_config)), kv_cache_config,
+                                       model.num_layers)
             block_size = next(groups[g].kv_cache_spec.block_size for g, attn in
                               zip(kv_cache_config.transfer_group_ids, _attention_flags(kv_cache_config), strict=True)
                               if attn)

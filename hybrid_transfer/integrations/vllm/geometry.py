@@ -18,7 +18,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, MambaSp
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.cache_slots import slots_from_layer_views
 from hybrid_transfer.errors import CacheShapeError, UnsupportedError
-from hybrid_transfer.integrations.vllm.groups import GroupMap, engine_groups, layer_index
+from hybrid_transfer.integrations.vllm.groups import GroupMap, draft_layers_of, engine_groups, layer_index
 from hybrid_transfer.layout.engine_spec import (
     EngineAttentionSpec,
     EngineRankSpec,
@@ -79,11 +79,12 @@ def kv_interior_of(vllm_config, attention_layer_names) -> str:
 
 
 def engine_rank_spec(kv_cache_config: KVCacheConfig, attention_view: torch.Tensor,
-                     kv_interior: str = TOKEN_MAJOR) -> EngineRankSpec:
+                     kv_interior: str = TOKEN_MAJOR, *, num_layers: int | None = None) -> EngineRankSpec:
     """What vLLM allocated on this rank, as plain numbers (layout/engine_spec.py).
 
     ``attention_view``: any attention layer's view; its dim 2 is the kernel block size.
     ``kv_interior``: the attention kernels' page interior (``kv_interior_of``).
+    ``num_layers``: the model's layers, which places MTP draft layers after them (needed with MTP).
     """
     attention, mamba = _specs(kv_cache_config)
     if mamba is not None and mamba.page_size_bytes != attention.page_size_bytes:
@@ -93,7 +94,7 @@ def engine_rank_spec(kv_cache_config: KVCacheConfig, attention_view: torch.Tenso
     starts: dict[int, int] = {}  # model layer -> byte offset of its block 0 in the backing allocation
     for tensor in kv_cache_config.kv_cache_tensors:
         for position, name in enumerate(tensor.layers):
-            starts[layer_index(name)] = tensor.offset + position * tensor.layer_stride
+            starts[layer_index(name, num_layers)] = tensor.offset + position * tensor.layer_stride
     slot_of_start = {start: slot for slot, start in enumerate(sorted(set(starts.values())))}
     state = None
     if mamba is not None:
@@ -107,10 +108,14 @@ def engine_rank_spec(kv_cache_config: KVCacheConfig, attention_view: torch.Tenso
         num_blocks=kv_cache_config.num_blocks,
         page_size_bytes=attention.page_size_bytes,
         layer_slots=tuple(slot_of_start[starts[layer]] for layer in sorted(starts)),
-        groups=engine_groups(kv_cache_config),
+        groups=engine_groups(kv_cache_config, num_layers),
         kv_layout=KVLayout.INTERLEAVED,  # vLLM 0.33 pages: [head][token][K|V] (LBHNC)
         conv_layout=ConvLayout(get_conv_state_layout()) if mamba is not None else ConvLayout.DS,
         kv_interior=kv_interior,
+        # MTP: its attention layers join the cache (padded groups follow), and the conv state widens by the
+        # speculative slots (docs/layout.md#draft-layers).
+        draft_layers=draft_layers_of(kv_cache_config),
+        speculative_slots=mamba.num_speculative_blocks if mamba is not None else 0,
     )
 
 
@@ -133,9 +138,11 @@ def _specs(kv_cache_config: KVCacheConfig) -> tuple[FullAttentionSpec, MambaSpec
         # block per request at a position the scheduler knows (scheduler.state_block_index).
         raise UnsupportedError(f"GDN state with mamba_cache_mode={mamba.mamba_cache_mode!r}: HybridNixlConnector "
                                "moves the states of modes 'none' and 'align' (docs/vllm.md#prefix-caching)")
-    if mamba is not None and mamba.num_speculative_blocks:
-        raise UnsupportedError(f"GDN state with {mamba.num_speculative_blocks} speculative blocks: speculative decoding "
-                               "is not supported yet; start the decode engine without --speculative-config")
+    if mamba is not None and mamba.num_speculative_blocks and mamba.mamba_cache_mode == "align":
+        # Where align mode keeps the running state among speculative blocks was not measured: refused, not guessed.
+        raise UnsupportedError(f"GDN state with {mamba.num_speculative_blocks} speculative blocks and "
+                               "mamba_cache_mode='align': speculative decoding with prefix caching is not supported; "
+                               "start both engines with --no-enable-prefix-caching (docs/vllm.md#speculative-decoding)")
     return attention, mamba
 
 
@@ -153,18 +160,20 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
         raise UnsupportedError(f"vLLM resolved the KV cache layout to {layout!r}; HybridNixlConnector needs "
                                f"{REQUIRED_LAYOUT!r} (an attention backend that accepts it)")
     model = model_of(vllm_config)
-    views = {layer_index(n): view for n, view in kv_caches.items()}
-    attention_names = [n for n in kv_caches if layer_index(n) in set(model.attention_layers)]
+    views = {layer_index(n, model.num_layers): view for n, view in kv_caches.items()}
+    draft = draft_layers_of(kv_cache_config)
+    attention = {*model.attention_layers, *range(model.num_layers, model.num_layers + draft)}
+    attention_names = [n for n in kv_caches if layer_index(n, model.num_layers) in attention]
     spec = engine_rank_spec(kv_cache_config, views[model.attention_layers[0]],
-                            kv_interior_of(vllm_config, attention_names))
+                            kv_interior_of(vllm_config, attention_names), num_layers=model.num_layers)
     # Either conv layout moves (docs/vllm.md#conv-layout): DS in one range per Q/K/V segment, SD in one per
     # segment and window row when the TP sizes differ (one range in all at equal TP). The handshake refuses
     # two sides that differ.
     geometry = geometry_from_engine_spec(model, vllm_config.parallel_config.tensor_parallel_size, tp_rank, spec)
-    group_map = GroupMap.build(geometry.tensor_map, kv_cache_config)
+    group_map = GroupMap.build(geometry.tensor_map, kv_cache_config, model.num_layers)
     # Slot j: layer j of every group, one byte range of vLLM's single allocation (checked view by view).
     slots = slots_from_layer_views(views, geometry.tensor_map.layer_tensor,
                                    kv_cache_config.num_blocks * geometry.page_bytes)
     cache = HybridCache.wrap(geometry, slots)
-    attention_views = {layer: views[layer] for layer in geometry.model.attention_layers}
+    attention_views = {layer: views[layer] for layer in sorted(attention)}  # the draft layers' too
     return EngineCache(cache, group_map, attention_views)

@@ -19,18 +19,36 @@ from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.layout.tensor_map import TensorMap
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+_DRAFT_LAYER = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)(?:\.|$)")  # an MTP module's layer: not model layer N
 
 
-def layer_index(layer_name: str) -> int:
-    """Model layer of a vLLM layer name such as ``model.layers.3.self_attn.attn``."""
+def layer_index(layer_name: str, num_layers: int | None = None) -> int:
+    """Cached layer of a vLLM layer name: ``model.layers.3.self_attn.attn`` is model layer 3; the MTP module's
+    ``mtp.layers.0.self_attn.attn`` is draft layer 0, cached layer ``num_layers + 0`` (docs/layout.md#draft-layers).
+
+    Raises:
+        UnsupportedError: a name with no layer index, or a draft layer when ``num_layers`` is not given.
+    """
+    draft = _DRAFT_LAYER.search(layer_name)
+    if draft is not None:
+        if num_layers is None:
+            raise UnsupportedError(f"vLLM layer {layer_name!r} is an MTP draft layer: the model's layer count "
+                                   "is needed to place it")
+        return num_layers + int(draft.group(1))
     match = _LAYER_INDEX.search(layer_name)
     if match is None:
         raise UnsupportedError(f"vLLM layer name {layer_name!r} carries no layer index")
     return int(match.group(1))
 
 
-def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[EngineGroup, ...]:
-    """vLLM's transfer groups, in vLLM's order.
+def draft_layers_of(kv_cache_config: KVCacheConfig) -> int:
+    """How many MTP draft layers hold a cache (speculative decoding with ``qwen3_next_mtp``)."""
+    names = {n for g in kv_cache_config.kv_cache_groups for n in g.layer_names if _DRAFT_LAYER.search(n)}
+    return len(names)
+
+
+def engine_groups(kv_cache_config: KVCacheConfig, num_layers: int | None = None) -> tuple[EngineGroup, ...]:
+    """vLLM's transfer groups, in vLLM's order (``num_layers``: the model's, which places draft layers).
 
     Raises:
         UnsupportedError: a group that is neither full attention nor GDN state (sliding window, MLA...).
@@ -46,7 +64,7 @@ def engine_groups(kv_cache_config: KVCacheConfig) -> tuple[EngineGroup, ...]:
         else:
             raise UnsupportedError(f"cache group {gid} has spec {type(spec).__name__}: only full attention and "
                                    "GDN state groups are supported (no sliding window, MLA or others)")
-        groups.append(EngineGroup(kind=kind, layers=tuple(layer_index(n) for n in group.layer_names)))
+        groups.append(EngineGroup(kind=kind, layers=tuple(layer_index(n, num_layers) for n in group.layer_names)))
     return tuple(groups)
 
 
@@ -63,9 +81,9 @@ class GroupMap:
     attention_mask: tuple[bool, ...]  # per our group: attention (True) or state
 
     @classmethod
-    def build(cls, tensor_map: TensorMap, kv_cache_config: KVCacheConfig) -> GroupMap:
+    def build(cls, tensor_map: TensorMap, kv_cache_config: KVCacheConfig, num_layers: int | None = None) -> GroupMap:
         """Raises ConfigError (``field="groups"``) when vLLM's groups are not ours in some order."""
-        order = engine_group_order(tensor_map, engine_groups(kv_cache_config))
+        order = engine_group_order(tensor_map, engine_groups(kv_cache_config, num_layers))
         mask = tuple(g.kind is LayerKind.ATTENTION for g in tensor_map.groups)
         return cls(order, tuple(kv_cache_config.transfer_group_ids), len(kv_cache_config.kv_cache_groups), mask)
 
