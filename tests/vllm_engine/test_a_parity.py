@@ -16,12 +16,12 @@ from conftest import FAULT_TOKENS
 
 
 @pytest.fixture(scope="module")
-def runs(suite):
+def runs(suite, split_reference):
     prompts = parity.prompt_set(suite.block_size)
     assert not {len(p) - 1 for p in prompts.values()} & set(FAULT_TOKENS.values())
     names, ids = list(prompts), list(prompts.values())
     ours = parity.disaggregated(suite.prefill, suite.decode, ids)
-    reference = parity.aggregated(suite.reference, ids)
+    reference = [split_reference[tuple(p)] for p in ids]
     whole = parity.aggregated(suite.prefill, ids)  # a plain request on the prefill engine: the whole prompt at once
     rows = []
     for name, prompt, o, r, w in zip(names, ids, ours, reference, whole, strict=True):

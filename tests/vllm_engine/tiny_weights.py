@@ -56,6 +56,46 @@ def write_model(directory: Path) -> Path:
     return directory
 
 
+def write_mtp_model(base: Path, directory: Path, num_layers: int = 1) -> Path:
+    """``base``'s model with an MTP module (``mtp.*``, ``num_nextn_predict_layers``) for speculative decoding
+    with ``qwen3_next_mtp``: the same weights, so greedy outputs equal the base model's, plus random draft
+    weights (drafts are rarely accepted; acceptance changes only how many tokens a step verifies).
+
+    vLLM's MTP module is ``mtp.fc`` (2H -> H), three norms and ``num_layers`` decoder layers shaped as the
+    model's full-attention layer; it takes the embedding and head from the model."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, directory, dirs_exist_ok=True)
+    weights = load_file(directory / "model.safetensors")
+    attention = CONFIG["layer_types"].index("full_attention")
+    source = f"model.layers.{attention}."
+    g = torch.Generator().manual_seed(SEED + 1)
+    mtp = {}
+    for i in range(num_layers):
+        for name, w in weights.items():
+            if name.startswith(source):
+                mtp[f"mtp.layers.{i}." + name[len(source):]] = (
+                    (torch.randn(w.shape, generator=g) * 0.02).to(w.dtype) if w.dim() > 1 else w.clone())
+    h = CONFIG["hidden_size"]
+    mtp["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.02).to(torch.bfloat16)
+    for norm in ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight"):
+        mtp[norm] = weights["model.norm.weight"].clone()
+    save_file(mtp, directory / "mtp.safetensors", metadata={"format": "pt"})
+    index = directory / "model.safetensors.index.json"
+    if index.exists():  # a sharded checkpoint lists every tensor's file
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name: "mtp.safetensors" for name in mtp})
+        index.write_text(json.dumps(data))
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = num_layers
+    (directory / "config.json").write_text(json.dumps(cfg, indent=1))
+    return directory
+
+
 if __name__ == "__main__":
     import sys
 
