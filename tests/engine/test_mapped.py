@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from harness import TINY, RankSpec, hold_everywhere, start_consumers, start_producers
 from batch_ops import cache_digest
-from mapped_ops import blocks_digest, producer_offer, transports
+from harness import TINY, RankSpec, hold_everywhere, start_consumers, start_producers
+from mapped_ops import transports
 
 from hybrid_transfer.engine import EngineConfig
 from hybrid_transfer.layout import CacheOptions, KVLayout
-from hybrid_transfer.verify import RequestLayout, make_requests
+from hybrid_transfer.verify import make_requests
 
 SECRET = b"mapped-path-secret-0123456789abcdef"
 NUM_BLOCKS = 48
@@ -60,7 +60,8 @@ def _run(cluster, secret_file, pair, layout, transport):
         remote = make_requests(p_specs[0].geometry(), TOKEN_COUNTS, NUM_BLOCKS, rng, 1.0, 0)
         local = make_requests(c_specs[0].geometry(), TOKEN_COUNTS, NUM_BLOCKS, rng, 1.0, 1)
         ids = [f"m-{i}" for i in range(len(TOKEN_COUNTS))]
-        tickets = [hold_everywhere(producers, rid, lay, seed=500 + i) for i, (rid, lay) in enumerate(zip(ids, remote))]
+        tickets = [hold_everywhere(producers, rid, lay, seed=500 + i)
+                   for i, (rid, lay) in enumerate(zip(ids, remote, strict=True))]
         for w, k in zip(consumers.workers, consumers.keys, strict=True):
             for t, lay in zip(tickets, local, strict=True):
                 w.call("start_read", k, t, lay.block_ids, lay.num_tokens)
