@@ -54,7 +54,7 @@ def point_record(result: BenchResult, point: PointResult) -> dict[str, Any]:
     """The flat JSON object of one point: the chosen mode's figures bare, naive_* and ceiling_* beside them."""
     s = result.spec
     chosen = point.stats[s.mode.value]
-    naive = point.stats[Variant.NAIVE.value]
+    naive = point.stats.get(Variant.NAIVE.value)  # absent in runs that time the mapped path (spec.variants)
     ceiling = point.stats[Variant.CEILING.value]
     copy = point.stats.get(Variant.COPY.value)
     record = common_record(result)
@@ -69,8 +69,8 @@ def point_record(result: BenchResult, point: PointResult) -> dict[str, Any]:
             record[prefix + name] = getattr(stats, name)
     record.update(
         mode_over_ceiling=ratio(chosen.gbps, ceiling.gbps),
-        mode_over_naive=ratio(chosen.gbps, naive.gbps),
-        naive_over_ceiling=ratio(naive.gbps, ceiling.gbps),
+        mode_over_naive=ratio(chosen.gbps, naive.gbps) if naive is not None else None,
+        naive_over_ceiling=ratio(naive.gbps, ceiling.gbps) if naive is not None else None,
         ceiling_over_copy=ratio(ceiling.gbps, copy.gbps) if copy is not None else None,
         verified=all(st.verified for st in point.stats.values()),
         variants={name: dataclasses.asdict(st) for name, st in point.stats.items()},
@@ -125,7 +125,7 @@ def _variants(result: BenchResult):
     s = result.spec
     for pr in result.points:
         ceiling = pr.stats[Variant.CEILING.value].gbps
-        naive = pr.stats[Variant.NAIVE.value].gbps
+        naive = pr.stats[Variant.NAIVE.value].gbps if Variant.NAIVE.value in pr.stats else None
         for name, st in pr.stats.items():
             first = [str(getattr(pr.point, s.sweep.value))] if s.sweep is not Sweep.NONE else []
             yield first + [name + ("*" if name == s.mode.value else "")], name, st, ceiling, naive

@@ -105,9 +105,10 @@ def test_wire_v11_fields_are_last_defaulted_and_bounded():
         wire.decode(wire.encode(wire.HandshakeReply(accepted=True, mapping=too_many), "d"))
 
 
+@pytest.mark.parametrize("method", ["readv", "rows"])
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 3000), st.integers(0, 40)), min_size=1, max_size=60), st.integers(0, 2**31))
-def test_the_row_copy_moves_exactly_the_ranges_and_nothing_else(ranges, seed):
+def test_the_host_copy_moves_exactly_the_ranges_and_nothing_else(method, ranges, seed):
     rng = np.random.default_rng(seed)
     lengths = np.asarray([n for n, _ in ranges], np.int64)
     gaps = np.asarray([g for _, g in ranges], np.int64)
@@ -118,9 +119,20 @@ def test_the_row_copy_moves_exactly_the_ranges_and_nothing_else(ranges, seed):
     expected = dst.copy()
     for d, s, n in zip(dst_off, src_off, lengths, strict=True):
         expected[d:d + n] = src[s:s + n]
-    moved = host_copy.copy_ranges(dst.ctypes.data + dst_off, src.ctypes.data + src_off, lengths,
+    moved = host_copy.copy_ranges(dst.ctypes.data + dst_off, src.ctypes.data + src_off, lengths, method=method,
                                   max_chunk_bytes=4096)
     assert moved == int(lengths.sum()) and np.array_equal(dst, expected)
+
+
+def test_readv_takes_more_ranges_than_one_call_and_refuses_an_unmapped_source():
+    n = host_copy.IOV_MAX * 2 + 5
+    src = np.arange(n * 8, dtype=np.uint8)
+    dst = np.zeros(n * 8, np.uint8)
+    offs = np.arange(n, dtype=np.int64)[::-1] * 8
+    assert host_copy.copy_ranges(dst.ctypes.data + offs, src.ctypes.data + offs, np.full(n, 8), method="readv") == n * 8
+    assert np.array_equal(dst, src)
+    with pytest.raises(MappingError, match="process_vm_readv moved"):
+        host_copy.copy_ranges(np.asarray([dst.ctypes.data]), np.asarray([8]), np.asarray([8]), method="readv")
 
 
 def test_a_mapping_refuses_ranges_outside_its_regions_and_every_post_once_invalid():

@@ -22,8 +22,9 @@ BATCHED = [
 ]
 
 
-def test_the_protocol_is_version_9():
-    assert wire.PROTOCOL_VERSION == 9  # 8 batched reads per step; 9 added kv_interior (issue 26)
+def test_the_protocol_is_version_11():
+    # 8 batched reads per step; 9 added kv_interior (issue 26); 10 is issue 27's; 11 the mapped path (issue 28)
+    assert wire.PROTOCOL_VERSION == 11
     assert (wire.Kind.CLAIMS, wire.Kind.CLAIM_REPLIES, wire.Kind.COMPLETIONS) == (15, 16, 17)
 
 
