@@ -195,7 +195,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return (chosen, Variant.CEILING, Variant.COPY)
         direct = (Variant.COALESCED,) if chosen in (Variant.PACK, Variant.AUTO) else ()
         if self.mapped:  # the mapped path beside NIXL's; naive (vLLM's descriptors over NIXL) is left out
-            mapped = (Variant.MAPPED, Variant.MAPPED_AUTO) if chosen is Variant.AUTO else (Variant.MAPPED,)
+            both = chosen in (Variant.AUTO, Variant.PACK)
+            mapped = (Variant.MAPPED, Variant.MAPPED_AUTO) if both else (Variant.MAPPED,)
             return (*mapped, chosen, *direct, Variant.CEILING, Variant.COPY)
         return (chosen, *direct, Variant.NAIVE, Variant.CEILING, Variant.COPY)
 

@@ -22,7 +22,7 @@ def blocks_digest(state, key, block_ids_per_group) -> str:
         raw = cache.raw(j)
         for group in block_ids_per_group:
             for b in group:
-                h.update(raw[b].numpy().tobytes())
+                h.update(raw[b].cpu().numpy().tobytes())
     return h.hexdigest()
 
 

@@ -45,12 +45,13 @@ def _with_layout(options, layout):
         **{**{f: getattr(options, f) for f in options.__struct_fields__}, "kv_layout": layout})
 
 
-def _run(cluster, secret_file, pair, layout, transport):
+def _run(cluster, secret_file, pair, layout, transport, device="cpu"):
     """Move every request of TOKEN_COUNTS over ``transport``; the consumers' transports and cache digests."""
     p_tp, c_tp, p_opts, c_opts = PAIRS[pair]
     p_opts, c_opts = _with_layout(p_opts, LAYOUTS[layout]), _with_layout(c_opts, LAYOUTS[layout])
-    p_specs = [RankSpec(TINY, p_tp, r, NUM_BLOCKS, p_opts, shared=True) for r in range(p_tp)]
-    c_specs = [RankSpec(TINY, c_tp, r, NUM_BLOCKS, c_opts) for r in range(c_tp)]
+    p_specs = [RankSpec(TINY, p_tp, r, NUM_BLOCKS, p_opts, shared=device == "cpu", device=device)
+               for r in range(p_tp)]
+    c_specs = [RankSpec(TINY, c_tp, r, NUM_BLOCKS, c_opts, device=device) for r in range(c_tp)]
     workers = cluster.workers
     producers = start_producers(workers[:p_tp], p_specs, EngineConfig(secret_file=secret_file))
     consumers = start_consumers(workers[p_tp:p_tp + c_tp], c_specs,
@@ -82,11 +83,15 @@ def _run(cluster, secret_file, pair, layout, transport):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_nixl_and_shared_memory_move_identical_verified_bytes(cluster, secret_file, pair, layout):
-    over_nixl = _run(cluster, secret_file, pair, layout, "nixl")
-    mapped = _run(cluster, secret_file, pair, layout, "mapped")
+    identical_bytes_case(cluster, secret_file, pair, layout, "cpu", "shm")
+
+
+def identical_bytes_case(cluster, secret_file, pair, layout, device, kind):
+    over_nixl = _run(cluster, secret_file, pair, layout, "nixl", device)
+    mapped = _run(cluster, secret_file, pair, layout, "mapped", device)
     for (t_nixl, digest_nixl), (t_map, digest_map) in zip(over_nixl, mapped, strict=True):
         assert digest_map == digest_nixl  # every byte of every consumer cache, poison included
-        assert set(t_nixl["links"].values()) == {"nixl"} and not t_nixl["reads"].get("shm")
-        assert set(t_map["links"].values()) == {"shm"} and t_map["reads"].get("nixl", 0) == 0
-        assert t_map["reads"]["shm"] > 0 and t_map["bytes"]["shm"] == t_nixl["bytes"]["nixl"]
+        assert set(t_nixl["links"].values()) == {"nixl"} and not t_nixl["reads"].get(kind)
+        assert set(t_map["links"].values()) == {kind} and t_map["reads"].get("nixl", 0) == 0
+        assert t_map["reads"][kind] > 0 and t_map["bytes"][kind] == t_nixl["bytes"]["nixl"]
         assert t_map["metrics_transports"] == t_map["links"]

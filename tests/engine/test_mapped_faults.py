@@ -74,11 +74,15 @@ def _linked(cw, ck, address):
 
 
 def test_an_abort_while_the_claim_is_unanswered_ends_alike(cluster, secret_file):
+    abort_case(cluster, secret_file, SPEC, "shm")
+
+
+def abort_case(cluster, secret_file, spec, kind):
     pw, cw = cluster.workers[0], cluster.workers[1]
     ended = {}
     for transport in TRANSPORTS:
         p_cfg, c_cfg = _configs(secret_file, transport)
-        producers, consumers = start_producers([pw], [SPEC], p_cfg), start_consumers([cw], [SPEC], c_cfg)
+        producers, consumers = start_producers([pw], [spec], p_cfg), start_consumers([cw], [spec], c_cfg)
         pk, ck = producers.keys[0], consumers.keys[0]
         try:
             _linked(cw, ck, producers.addresses[0])
@@ -92,7 +96,7 @@ def test_an_abort_while_the_claim_is_unanswered_ends_alike(cluster, secret_file)
             assert pw.call("wait_freed", pk, ["a"], WAIT_S) == ["a"]
             t = cw.call("call", transports, ck)
             assert t["live_handles"] == 0 and cw.call("call", status, ck)["quarantined_blocks"] == 0
-            assert set(t["links"].values()) == {"nixl" if transport == "nixl" else "shm"}
+            assert set(t["links"].values()) == {"nixl" if transport == "nixl" else kind}
         finally:
             producers.close()
             consumers.close()
@@ -100,11 +104,15 @@ def test_an_abort_while_the_claim_is_unanswered_ends_alike(cluster, secret_file)
 
 
 def test_a_revoked_ticket_ends_alike(cluster, secret_file):
+    revoke_case(cluster, secret_file, SPEC)
+
+
+def revoke_case(cluster, secret_file, spec):
     pw, cw = cluster.workers[0], cluster.workers[1]
     ended = {}
     for transport in TRANSPORTS:
         p_cfg, c_cfg = _configs(secret_file, transport)
-        producers, consumers = start_producers([pw], [SPEC], p_cfg), start_consumers([cw], [SPEC], c_cfg)
+        producers, consumers = start_producers([pw], [spec], p_cfg), start_consumers([cw], [spec], c_cfg)
         pk, ck = producers.keys[0], consumers.keys[0]
         try:
             _linked(cw, ck, producers.addresses[0])
@@ -123,6 +131,10 @@ def test_a_revoked_ticket_ends_alike(cluster, secret_file):
 
 
 def test_a_killed_producer_ends_alike_and_nothing_is_copied_from_its_mapping_afterwards(cluster, secret_file):
+    killed_case(cluster, secret_file, SPEC, "shm")
+
+
+def killed_case(cluster, secret_file, spec, kind):
     cw = cluster.workers[1]
     ctx = worker_context()
     ended = {}
@@ -131,8 +143,8 @@ def test_a_killed_producer_ends_alike_and_nothing_is_copied_from_its_mapping_aft
         p_cfg, c_cfg = _configs(secret_file, transport)
         consumers = None
         try:
-            producers = start_producers([victim], [SPEC], p_cfg)
-            consumers = start_consumers([cw], [SPEC], c_cfg)
+            producers = start_producers([victim], [spec], p_cfg)
+            consumers = start_consumers([cw], [spec], c_cfg)
             pk, ck = producers.keys[0], consumers.keys[0]
             _linked(cw, ck, producers.addresses[0])
             t_mid = hold_everywhere(producers, "mid", MID, seed=3)
@@ -154,7 +166,7 @@ def test_a_killed_producer_ends_alike_and_nothing_is_copied_from_its_mapping_aft
                 assert list(copies.values()) == [1]  # "mid" was copied before the kill ...
                 assert t["mapped"] == {}  # ... the mapping is invalid since ...
                 assert cw.call("call", blocks_digest, ck, LOCAL_AFTER) == before  # ... and "after" never copied
-                assert t["reads"] == {"shm": 1}
+                assert t["reads"] == {kind: 1}
         finally:
             if consumers is not None:
                 consumers.close()
@@ -164,24 +176,28 @@ def test_a_killed_producer_ends_alike_and_nothing_is_copied_from_its_mapping_aft
 
 
 def test_a_new_incarnation_invalidates_the_old_mapping_before_any_later_copy(cluster, secret_file):
+    incarnation_case(cluster, secret_file, SPEC, "shm")
+
+
+def incarnation_case(cluster, secret_file, spec, kind):
     pw, cw = cluster.workers[0], cluster.workers[1]
     ended = {}
     for transport in TRANSPORTS:
         p_cfg, c_cfg = _configs(secret_file, transport)
         engine_id = f"prefill-{uuid.uuid4().hex[:6]}"
         old, new = f"{engine_id}-old", f"{engine_id}-new"
-        consumers = start_consumers([cw], [SPEC], c_cfg)
+        consumers = start_consumers([cw], [spec], c_cfg)
         ck = consumers.keys[0]
         try:
-            address = pw.call("create_producer", old, SPEC, engine_id, 1, p_cfg)
+            address = pw.call("create_producer", old, spec, engine_id, 1, p_cfg)
             _linked(cw, ck, address)
-            first = _hold(pw, old, "first", MID, 5)
+            first = _hold(pw, old, spec, "first", MID, 5)
             cw.call("start_read", ck, first, LOCAL_MID, 20)
             assert cw.call("wait_done", ck, ["first"], WAIT_S)[0].state == "done"
-            stale = _hold(pw, old, "stale", AFTER, 6)
+            stale = _hold(pw, old, spec, "stale", AFTER, 6)
             pw.call("close", old)  # the engine restarts: a new incarnation under the same engine id
-            pw.call("create_producer", new, SPEC, engine_id, 2, p_cfg)
-            fresh = _hold(pw, new, "fresh", MID, 7)
+            pw.call("create_producer", new, spec, engine_id, 2, p_cfg)
+            fresh = _hold(pw, new, spec, "fresh", MID, 7)
             cw.call("start_read", ck, fresh, LOCAL_MID, 20)
             assert cw.call("wait_done", ck, ["fresh"], WAIT_S)[0].state == "done"
             before = cw.call("call", blocks_digest, ck, LOCAL_AFTER)
@@ -192,7 +208,7 @@ def test_a_new_incarnation_invalidates_the_old_mapping_before_any_later_copy(clu
             if transport == "mapped":
                 assert cw.call("call", blocks_digest, ck, LOCAL_AFTER) == before
                 assert t["copies"] == copies  # nothing copied from either mapping for "stale"
-                assert list(t["mapped"].values()) == ["shm"]  # only the new incarnation's agent is mapped
+                assert list(t["mapped"].values()) == [kind]  # only the new incarnation's agent is mapped
         finally:
             consumers.close()
             for key in (old, new):
@@ -204,14 +220,18 @@ def test_a_new_incarnation_invalidates_the_old_mapping_before_any_later_copy(clu
 def _hold(worker, key, request_id, layout, seed):
     from harness import EngineRanks
 
-    ranks = EngineRanks([worker], [key], [SPEC])
+    ranks = EngineRanks([worker], [key], [spec])
     return hold_everywhere(ranks, request_id, layout, seed=seed)
 
 
 def test_a_consumer_without_the_secret_never_gets_a_handle(cluster, secret_file):
+    no_secret_case(cluster, secret_file, SPEC)
+
+
+def no_secret_case(cluster, secret_file, spec):
     pw, cw = cluster.workers[0], cluster.workers[1]
-    producers = start_producers([pw], [SPEC], EngineConfig(secret_file=secret_file))
-    open_consumer = start_consumers([cw], [SPEC], EngineConfig(handshake_timeout_s=2.0))
+    producers = start_producers([pw], [spec], EngineConfig(secret_file=secret_file))
+    open_consumer = start_consumers([cw], [spec], EngineConfig(handshake_timeout_s=2.0))
     ck = open_consumer.keys[0]
     try:
         ticket = hold_everywhere(producers, "x", MID, seed=8)
