@@ -155,6 +155,10 @@ for stage in "$@"; do
             STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --concurrency 16 --per-step 16 --rounds ${ROUNDS:-3} --read-transport mapped"
             TAIL=60
             if [ "$stage" != issue28b ]; then
+                for case in p1d1 p2d8; do  # the copy alone: CPU per call, GPU time, against a contiguous copy
+                    say "python3 benchmarks/mapped_copy.py --case $case --frag 0,1 --step 16"
+                    [ -z "${DRY_RUN:-}" ] && python3 benchmarks/mapped_copy.py --case $case --frag 0,1 --step 16 2>&1 | tail -n 4
+                done
                 SWEEP="--sweep fragmentation --sweep-values 0,1" bench issue28_p1d1_step16 $STEP16 --requests 32 \
                     --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
                 SWEEP="--fragmentation 1" bench issue28_p1d1_conc1 --preset qwen3.5-397b-a17b --tokens 8192 \

@@ -217,7 +217,7 @@ def incarnation_case(cluster, secret_file, spec, kind):
     assert ended["nixl"]["stale"][0] == "failed"
 
 
-def _hold(worker, key, request_id, layout, seed):
+def _hold(worker, key, spec, request_id, layout, seed):
     from harness import EngineRanks
 
     ranks = EngineRanks([worker], [key], [spec])

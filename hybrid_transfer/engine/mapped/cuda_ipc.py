@@ -6,7 +6,7 @@ allocation that holds it, its offset, and torch's reference-count segment), enco
 address of the producer's bytes in its own context. Only same-host CUDA IPC is built; an NVLink domain
 across hosts needs fabric handles of VMM allocations (docs/tuning.md#mapped-reads-across-hosts).
 
-The copy, chosen by ../shared/tools/gpu_copy_paths.py's figures on one H200 (docs/benchmarks.md#issue-28):
+The copy, chosen by the copy-path figures measured on one H200 (docs/benchmarks.md#issue-28):
 cudaMemcpyBatchAsync costs about 5 us of CPU per range (no better than UCX's cuda_ipc), a gather kernel
 over a table of chunks about 0.4 us per range when 16 requests go in one launch, at 0.91-0.99 of a
 contiguous copy's bandwidth. So ``RangeCopier`` splits every range into chunks of at most
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 import msgspec
 import numpy as np
@@ -94,7 +95,8 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # n_chunks changes with every step: not specialized, or each new value class would compile again.
+    @triton.jit(do_not_specialize=["n_chunks"])
     def copy_chunks(table, n_chunks, BLOCK: tl.constexpr, WIDTH: tl.constexpr):  # noqa: N803
         pid = tl.program_id(0)
         src = tl.load(table + pid)
@@ -149,29 +151,35 @@ class RangeCopier:
         self._stream = torch.cuda.Stream(device=self.device)
         self._slots: collections.deque = collections.deque()  # (pinned, device table, event) in use, oldest first
         self.launches = 0
+        # Worker-thread seconds of the last copy: (chunk table, upload, kernel launch and event), for the bench.
+        self.last_split = (0.0, 0.0, 0.0)
 
     def copy(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray):
         """Queue every range on the copier's stream in one launch; the event recorded after it."""
         torch = self._torch
         from hybrid_transfer.engine.mapped.host_copy import element_bytes
 
+        t0 = time.perf_counter()
         keep = lengths > 0
         if not keep.all():
             dst, src, lengths = dst[keep], src[keep], lengths[keep]
         table = chunk_table(dst, src, lengths)
         n = int(table.shape[1])
+        width = element_bytes(dst, src, lengths) if n else 1
+        t1 = t2 = time.perf_counter()
         event = torch.cuda.Event()
         # After what the caller's stream queued (an engine step writing these blocks, say), never before it.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             if n:
-                width = element_bytes(dst, src, lengths)
                 pinned, table_dev = self._slot(n)
                 pinned.numpy()[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
                 table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
+                t2 = time.perf_counter()
                 self._kernel[(n,)](table_dev, n, BLOCK=BLOCK, WIDTH=width)
                 self.launches += 1
             event.record(self._stream)
+        self.last_split = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         if n:
             self._slots[-1] = (*self._slots[-1][:2], event)
         return event

@@ -61,7 +61,7 @@ class MappedSource:
         if np.any(self._end[:-1] > self._base[1:]):
             raise MappingError(f"the producer's offered regions of {peer} overlap", peer=peer)
         self.invalid_reason = ""  # set by invalidate: every later post raises
-        self.pending: list[MappedRead] = []  # CUDA reads that may still copy (close waits for them)
+        self.pending: set[MappedRead] = set()  # CUDA reads not yet released: close waits for those still copying
         self.copies = 0  # posts that moved bytes over this mapping
 
     @property
@@ -97,9 +97,9 @@ class MappedSource:
     def close(self) -> list[MappedRead]:
         """Invalidate, then unmap once no copy reads it; the reads still copying (unmapping waits for those)."""
         self.invalidate("the link was closed")
-        self.pending = [r for r in self.pending if not r.can_free()]
+        self.pending = {r for r in self.pending if not r.can_free()}
         if self.pending:
-            return self.pending
+            return list(self.pending)
         for m in self._mappings:
             m.close()
         self._mappings = []

@@ -49,6 +49,7 @@ class ReadTransports:
         self._sources: dict[str, MappedSource] = {}
         self._closing: list[MappedSource] = []  # detached with copies in flight: unmapped once they finish
         self._live: set[MappedRead] = set()
+        self._owner: dict[MappedRead, MappedSource] = {}  # GPU reads -> the mapping they copy from
         self._copier = None  # cuda_ipc.RangeCopier, made at the first GPU attach
         self.reads: Counter[str] = Counter()  # READs posted, by transport ("nixl", "shm", "cuda_ipc")
         self.bytes: Counter[str] = Counter()  # ... their bytes
@@ -145,7 +146,8 @@ class ReadTransports:
         if self._on_gpu:
             event = self._copier.copy(dst, src_addr, lengths)
             read = MappedRead(peer, source.kind, n, int(lengths.sum()), event)
-            source.pending.append(read)
+            source.pending.add(read)
+            self._owner[read] = source
         else:
             moved = host_copy.copy_ranges(dst, src_addr, lengths)
             read = MappedRead(peer, source.kind, n, moved)
@@ -191,6 +193,9 @@ class ReadTransports:
             return False
         read.state = XferState.RELEASED
         self._live.discard(read)
+        source = self._owner.pop(read, None)
+        if source is not None:
+            source.pending.discard(read)
         self._sweep_closing()
         return True
 
@@ -211,3 +216,4 @@ class ReadTransports:
             self.detach(peer)
         self._sweep_closing()
         self._live.clear()
+        self._owner.clear()
