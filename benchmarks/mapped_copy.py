@@ -47,7 +47,7 @@ def main() -> None:
     c_geo = RankGeometry(model, d_tp, 0)
     need_p = blocks_needed(model, p_geos[0].block_size, args.tokens)
     need_c = blocks_needed(model, c_geo.block_size, args.tokens)
-    pool_p, pool_c = args.step * max(need_p) + 8, args.step * max(need_c) + 8
+    pool_p, pool_c = args.step * sum(need_p) + 8, args.step * sum(need_c) + 8
     producers = [HybridCache.allocate(g, pool_p, dev) for g in p_geos]
     for p in producers:
         for t in p.tensors:
@@ -59,11 +59,14 @@ def main() -> None:
     print("frag  ranges  MB/step  table_us  upload_us  launch_us  cpu_us/req  gpu_ms   GB/s  contig_GB/s  /contig  bad")
     for frag in (float(f) for f in args.frag.split(",")):
         rng = np.random.default_rng(int(frag * 100))
+        # One draw for the whole step, cut into requests: no two requests share a block on either side.
+        local_all = make_block_ids([n * args.step for n in need_c], pool_c, frag, rng)
+        remote_all = make_block_ids([n * args.step for n in need_p], pool_p, frag, rng)
         items = []
-        for _ in range(args.step):
-            local = make_block_ids(need_c, pool_c, frag, rng)
-            remote = make_block_ids(need_p, pool_p, frag, rng)
-            items.append(([np.asarray(g, np.int64) for g in local], remote, args.tokens))
+        for k in range(args.step):
+            local = [np.asarray(g[k * n:(k + 1) * n], np.int64) for g, n in zip(local_all, need_c, strict=True)]
+            remote = [list(g[k * n:(k + 1) * n]) for g, n in zip(remote_all, need_p, strict=True)]
+            items.append((local, remote, args.tokens))
         batch = batch_plans(planner.plan_many(items, PlanMode.COALESCED))
         dst = np.concatenate([r.local[:, 0] for r in batch.reads])
         src = np.concatenate([r.remote[:, 0] for r in batch.reads])
