@@ -50,7 +50,7 @@ Version log:
      key and the mapping kinds a consumer can open) and HandshakeReply.mapping (a MapOffer: the kind and
      one handle per registered region), each last and defaulted. A producer sends a MapOffer only in the
      accepted reply of an authenticated handshake (a secret set on both sides) to a consumer on its host
-     that can open that kind (docs/wire.md#version-11, docs/security.md#mapped-reads). Version 10 is
+     that can open that kind (docs/wire.md#v11, docs/security.md#mapped-reads). Version 10 is
      issue 27's.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
