@@ -94,7 +94,9 @@ class ReadOnlyMapping:
             if size < length:
                 raise MappingError(f"shared memory {name} holds {size} bytes, the offer says {length}",
                                   operation="open mapping")
-            self._map = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ)
+            # Page tables filled now, once per link: else every first touch of a page faults inside a READ.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, length, flags, mmap.PROT_READ)
         finally:
             os.close(fd)
         self._view = np.frombuffer(self._map, dtype=np.uint8)
