@@ -64,6 +64,7 @@ CASES = {
 }
 
 
+TRANSPORT_ENV = "HT_OVERHEAD_READ_TRANSPORT"  # --read-transport, for the spawned rank processes
 IDLE_SLEEP_S = 0.0001  # a producer rank's sleep between polls when one engine serves the consumer
 
 
@@ -71,8 +72,9 @@ def _producer(conn, preset, tp_size, rank, num_blocks, device, engine_id="overhe
               sleep_s=IDLE_SLEEP_S) -> None:
     from hybrid_transfer import HybridCache, Producer
 
-    producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks, _device(device)),
-                        engine_id=engine_id, incarnation=incarnation)
+    shared = device == "cpu" and os.environ.get(TRANSPORT_ENV, "nixl") != "nixl"  # mappable (--read-transport)
+    producer = Producer(HybridCache.allocate(_geometry(preset, tp_size, rank), num_blocks, _device(device),
+                                             shared=shared), engine_id=engine_id, incarnation=incarnation)
     serve_holds(conn, producer, tp_size, hold=_hold, sleep_s=sleep_s)
 
 
@@ -194,7 +196,8 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
 
     geometry = _geometry(preset, decode_tp, 0)
     cache = HybridCache.allocate(geometry, num_blocks, _device(device))
-    consumer = Consumer(cache, EngineConfig(read_batching=batching))
+    consumer = Consumer(cache, EngineConfig(read_batching=batching,
+                                            read_transport=os.environ.get(TRANSPORT_ENV, "nixl")))
     timed = time_nixl_calls(consumer)  # NIXL's data-path calls on this thread, timed into timed.spent
     for address in conn.recv():  # rank 0 of each producer engine
         consumer.connect(address)
@@ -393,6 +396,10 @@ def main() -> None:
     parser.add_argument("--mem-budget-gib", type=float, default=120.0,
                         help="with --batch: every cache of the run (producers, decode rank, its verify reference) "
                              "must fit in this; past it the producers get fewer spare blocks (default 120)")
+    parser.add_argument("--read-transport", choices=["nixl", "auto", "mapped"], default="nixl",
+                        help="with --batch: the decode rank's EngineConfig.read_transport; auto or mapped give every "
+                             "rank a fresh shared secret (the mapped path needs one); the mapped copy is then "
+                             "counted in the Python share, not NIXL's (docs/tuning.md#mapped-reads)")
     parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (by tottime, then cumulative) on stderr")
     args = parser.parse_args()
     if args.batch < 1:
@@ -401,6 +408,11 @@ def main() -> None:
         parser.error("--engines must be between 1 and --batch, and needs --batch > 1")
     if args.device == "cuda":
         os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+    os.environ[TRANSPORT_ENV] = args.read_transport
+    if args.read_transport != "nixl":
+        import secrets
+
+        os.environ["HYBRID_TRANSFER_SECRET"] = secrets.token_hex(32)
     if args.batch > 1:
         cases = CASES if args.case == "all" else [args.case]
         rows = []

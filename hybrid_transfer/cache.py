@@ -55,16 +55,32 @@ class HybridCache:
             raise CacheShapeError(f"shared tensors sit on several devices: {sorted(map(str, devices))}")
         self.num_blocks = self._raw[0].numel() // geometry.page_bytes
         self.device = self._raw[0].device
+        self.shared_segments = None  # allocate(shared=True): the named shared memory under the tensors
 
     @classmethod
-    def allocate(cls, geometry: RankGeometry, num_blocks: int, device: str | torch.device = "cpu") -> HybridCache:
-        """Allocate zeroed shared tensors holding ``num_blocks`` pages each."""
+    def allocate(cls, geometry: RankGeometry, num_blocks: int, device: str | torch.device = "cpu", *,
+                 shared: bool = False) -> HybridCache:
+        """Allocate zeroed shared tensors holding ``num_blocks`` pages each.
+
+        ``shared``: on a CPU host, over named shared memory (engine/mapped/shm.py), so a consumer on this
+        host can map it and read it without NIXL (docs/tuning.md#mapped-reads). GPU caches need no such
+        allocation: CUDA IPC maps plain ones.
+        """
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"num_blocks={num_blocks!r} must be a positive integer", field="num_blocks",
                               value=num_blocks)
         nbytes = num_blocks * geometry.page_bytes
-        tensors = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(geometry.num_tensors)]
-        return cls(geometry, tensors)
+        if not shared:
+            tensors = [torch.zeros(nbytes, dtype=torch.uint8, device=device) for _ in range(geometry.num_tensors)]
+            return cls(geometry, tensors)
+        if torch.device(device).type != "cpu":
+            raise ConfigError(f"shared=True allocates host memory, not {device}", field="device", value=str(device))
+        from hybrid_transfer.engine.mapped.shm import SharedSegments
+
+        segments = SharedSegments(nbytes, geometry.num_tensors)
+        cache = cls(geometry, [torch.frombuffer(b, dtype=torch.uint8) for b in segments.buffers])
+        cache.shared_segments = segments
+        return cache
 
     @classmethod
     def wrap(cls, geometry: RankGeometry, tensors: Sequence[torch.Tensor]) -> HybridCache:

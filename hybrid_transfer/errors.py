@@ -312,6 +312,13 @@ class PeerDisconnectedError(EngineError):
     """NIXL reports the peer agent gone (its process died or closed): nothing more moves to or from it."""
 
 
+class MappingError(EngineError):
+    """A producer's mapping (engine/mapped/) could not be created, opened or used; ``peer`` names its agent."""
+
+    def __init__(self, message: str, *, operation: str = "open mapping", agent: str = "", peer: str | None = None):
+        super().__init__(message, operation=operation, agent=agent or "-", peer=peer)
+
+
 class SourceLostError(HybridTransferError):
     """A producer rank a request depends on vanished (``agent``): its READ cannot finish."""
 

@@ -3,7 +3,9 @@
 #   bash scripts/gpu_run.sh STAGE...   with STAGE in doctor, pytest, single[-coalesced|-pack|-p2d8], cross, split,
 #                                      overhead, threads, direct (issue 13's rows), long (131,072 tokens and the
 #                                      token sweep), two-gpu (needs two GPUs: prefill on 0, decode on 1),
-#                                      issue20 (issue 20's one-H200 goal rows: issue20a then issue20b, one device call each)
+#                                      issue20 (issue 20's one-H200 goal rows: issue20a then issue20b, one device call each),
+#                                      mapped-pytest (tests/gpu: the mapped path over CUDA IPC), issue28 (issue 28's
+#                                      one-H200 rows: issue28a then issue28b, one device call each)
 #   DRY_RUN=1 bash scripts/gpu_run.sh STAGE...   prints every command a stage would run and runs none
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (built outside
 # this repository, plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
@@ -144,6 +146,30 @@ for stage in "$@"; do
                     timeout "$left" python3 benchmarks/request_overhead.py --device cuda --case p1d1 --batch 16 --reps 3 \
                         --engines "$engines" 2>&1 | tail -n 6
                 done
+            fi ;;
+        mapped-pytest) say "python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py"
+            python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py 2>&1 | tail -n 25 ;;
+        issue28|issue28a|issue28b)  # issue 28's rows on one H200: the mapped path beside NIXL and the ceiling, 3 rounds, verified
+            # issue28a: P1->D1 16 per step (frag 0 and 1; the hook column is the worker thread per request) and
+            # concurrency 1 (post->DONE p50). issue28b: P2->D8 frag 1 against pack, and 131,072 tokens P2->D8.
+            STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --concurrency 16 --per-step 16 --rounds ${ROUNDS:-3} --read-transport mapped"
+            TAIL=60
+            if [ "$stage" != issue28b ]; then
+                for case in p1d1 p2d8; do  # the copy alone: CPU per call, GPU time, against a contiguous copy
+                    say "python3 benchmarks/mapped_copy.py --case $case --frag 0,1 --step 16"
+                    [ -z "${DRY_RUN:-}" ] && python3 benchmarks/mapped_copy.py --case $case --frag 0,1 --step 16 2>&1 | tail -n 4
+                done
+                SWEEP="--sweep fragmentation --sweep-values 0,1" bench issue28_p1d1_step16 $STEP16 --requests 32 \
+                    --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
+                SWEEP="--fragmentation 1" bench issue28_p1d1_conc1 --preset qwen3.5-397b-a17b --tokens 8192 \
+                    --concurrency 1 --per-step 1 --requests 16 --rounds "${ROUNDS:-3}" --read-transport mapped \
+                    --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
+            fi
+            if [ "$stage" != issue28a ]; then
+                SWEEP="--fragmentation 1" bench issue28_p2d8_step16 $STEP16 --requests 16 --prefill-tp 2 --decode-tp 8 \
+                    --mode pack --wide
+                SWEEP="--fragmentation 1" bench issue28_long_p2d8_131k $LONG --tokens 131072 --prefill-tp 2 \
+                    --decode-tp 8 --mode auto --read-transport mapped --wide
             fi ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac

@@ -9,6 +9,9 @@
 # minutes) and reused after, with this checkout on PYTHONPATH. Extra arguments go to the main suite's
 # pytest. VLLM_SUITE=0 leaves both vLLM suites out, ENGINE_SUITE=0 only the real-engine one, and each says so.
 #
+# tests/gpu (issue 28: the mapped path over CUDA IPC) needs a GPU, which CI does not have: the main suite leaves it
+# out by name and says so below; it runs on a GPU host with `bash scripts/gpu_run.sh mapped-pytest`.
+#
 # The main suite runs on TEST_WORKERS pytest-xdist worker processes (the test extra; default 2, the CI
 # host's cores): most of its time is spent waiting on the processes tests start (NIXL ranks, CLI runs),
 # which two workers overlap. Each worker starts its own engine-test cluster (tests/engine/conftest.py);
@@ -23,7 +26,8 @@ xdist=()
 if [ "$workers" != "0" ]; then
     xdist=(-n "$workers" --dist load)
 fi
-.venv/bin/python -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine ${xdist[@]+"${xdist[@]}"} "$@"
+echo "test.sh: GPU tests (tests/gpu) NOT run here: they need a CUDA device (scripts/gpu_run.sh mapped-pytest)" >&2
+.venv/bin/python -m pytest -q --ignore=tests/vllm --ignore=tests/vllm_engine --ignore=tests/gpu ${xdist[@]+"${xdist[@]}"} "$@"
 
 if [ "${VLLM_SUITE:-1}" = "0" ]; then
     echo "test.sh: vLLM suite NOT run (VLLM_SUITE=0)" >&2

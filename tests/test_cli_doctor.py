@@ -15,7 +15,7 @@ from hybrid_transfer.cli import build_parser
 from hybrid_transfer.cli.doctor_cmd import parse_size, render
 from hybrid_transfer.doctor import CheckResult, DoctorReport, Status
 
-CHECK_NAMES = ["nixl", "ucx_backend", "transports", "loopback_dram", "loopback_vram", "cuda_ipc_read",
+CHECK_NAMES = ["nixl", "ucx_backend", "transports", "loopback_dram", "loopback_vram", "cuda_ipc_read", "mapped_path",
                "side_channel_port", "progress_thread"]
 
 

@@ -22,6 +22,7 @@ import logging
 import multiprocessing as mp
 import os
 import secrets
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -172,6 +173,7 @@ class Coordinator:
         self.ceiling = sizing.ceiling_sizes(self.spec)  # the largest point's: what the memory checks judge
         self.memory = sizing.memory_estimate(self.spec, self.ceiling)
         self.sized = self.spec  # what the running rank processes were sized for (point_spec in a token sweep)
+        self._secret_path: str | None = None  # the mapped path's secret file (_secret_file)
         self.sized_ceiling = self.ceiling
 
     @property
@@ -266,7 +268,8 @@ class Coordinator:
                     incarnation=incarnation if side else 0, mode=s.mode, log_level=level, poll_sleep_s=poll_sleep_s,
                     staging_bytes=sizing.staging_bytes(s, side), backend_threads=s.backend_threads,
                     kv_layout=s.kv_layout, split_batch_size=s.split_batch_size, post_thread=s.post_thread,
-                    serve_sleep_s=serve_sleep_s, read_batching=s.read_batching)))
+                    serve_sleep_s=serve_sleep_s, read_batching=s.read_batching,
+                    secret_file=self._secret_file(), shared_cache=s.mapped)))
         started = [p.recv(m.Started) for p in self.producers]
         for c in self.consumers:
             c.recv(m.Done)
@@ -277,6 +280,17 @@ class Coordinator:
         self._step("ranks started")
         self._open_ceiling()
         self._step("ceiling buffers ready")
+
+    def _secret_file(self) -> str | None:
+        """With the mapped path: a fresh secret in a 0600 file every rank reads (removed when the run ends)."""
+        if not self.spec.mapped:
+            return None
+        if self._secret_path is None:
+            fd, path = tempfile.mkstemp(prefix="ht-bench-secret-")
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+            self._secret_path = path
+        return self._secret_path
 
     def _open_ceiling(self) -> None:
         from hybrid_transfer.plan.topology import Topology
@@ -313,6 +327,9 @@ class Coordinator:
             except Exception as exc:  # noqa: BLE001 - keep closing the others
                 log.warning("closing %s failed: %s", proc.name, exc)
         self.consumers, self.producers = [], []
+        if self._secret_path is not None:
+            os.unlink(self._secret_path)
+            self._secret_path = None
 
     # ---- one point ----------------------------------------------------------------------
     def _run_point(self, index: int, point: Point) -> PointResult:
@@ -349,7 +366,7 @@ class Coordinator:
                     seeds: list[int]) -> VariantStats:
         s = self.spec
         _all(self.consumers, m.OpenConsumer(variant.plan_mode, self.addresses[0], self.descriptors,
-                                            HANDSHAKE_TIMEOUT_S))
+                                            HANDSHAKE_TIMEOUT_S, read_transport=variant.read_transport))
         self._step(f"{tag}: consumers connected")
         warm = min(s.warmup, s.requests)
         if warm:

@@ -45,13 +45,16 @@ class RankSetup(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only
     post_thread: bool | None = None  # EngineConfig.post_thread (None: its default)
     serve_sleep_s: float = 0.001  # prefill ranks' wait between polls in a timed window (0: spin with sched_yield)
     read_batching: str = "per_step"  # EngineConfig.read_batching of decode ranks
+    secret_file: str | None = None  # EngineConfig.secret_file of every rank (the mapped path needs a secret)
+    shared_cache: bool = False  # a CPU cache over named shared memory, so a consumer can map it (engine/mapped/)
 
     def engine_config(self, **fields):
         """The EngineConfig of this rank's agents: the run's UCX backend settings, plus ``fields``."""
         from hybrid_transfer.engine.config import EngineConfig
 
         return EngineConfig(num_backend_threads=self.backend_threads, split_batch_size=self.split_batch_size,
-                            post_thread=self.post_thread, read_batching=self.read_batching, **fields)
+                            post_thread=self.post_thread, read_batching=self.read_batching,
+                            secret_file=self.secret_file, **fields)
 
 
 class EngineItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -123,6 +126,7 @@ class OpenConsumer(Command):
     address: str
     producer_descriptors: list[RankDescriptor]
     timeout_s: float
+    read_transport: str = "nixl"  # EngineConfig.read_transport of the consumer (bench Variant.read_transport)
 
 
 class CloseConsumer(Command):

@@ -54,7 +54,7 @@ def point_record(result: BenchResult, point: PointResult) -> dict[str, Any]:
     """The flat JSON object of one point: the chosen mode's figures bare, naive_* and ceiling_* beside them."""
     s = result.spec
     chosen = point.stats[s.mode.value]
-    naive = point.stats[Variant.NAIVE.value]
+    naive = point.stats.get(Variant.NAIVE.value)  # absent in runs that time the mapped path (spec.variants)
     ceiling = point.stats[Variant.CEILING.value]
     copy = point.stats.get(Variant.COPY.value)
     record = common_record(result)
@@ -69,8 +69,8 @@ def point_record(result: BenchResult, point: PointResult) -> dict[str, Any]:
             record[prefix + name] = getattr(stats, name)
     record.update(
         mode_over_ceiling=ratio(chosen.gbps, ceiling.gbps),
-        mode_over_naive=ratio(chosen.gbps, naive.gbps),
-        naive_over_ceiling=ratio(naive.gbps, ceiling.gbps),
+        mode_over_naive=ratio(chosen.gbps, naive.gbps) if naive is not None else None,
+        naive_over_ceiling=ratio(naive.gbps, ceiling.gbps) if naive is not None else None,
         ceiling_over_copy=ratio(ceiling.gbps, copy.gbps) if copy is not None else None,
         verified=all(st.verified for st in point.stats.values()),
         variants={name: dataclasses.asdict(st) for name, st in point.stats.items()},
@@ -125,7 +125,7 @@ def _variants(result: BenchResult):
     s = result.spec
     for pr in result.points:
         ceiling = pr.stats[Variant.CEILING.value].gbps
-        naive = pr.stats[Variant.NAIVE.value].gbps
+        naive = pr.stats[Variant.NAIVE.value].gbps if Variant.NAIVE.value in pr.stats else None
         for name, st in pr.stats.items():
             first = [str(getattr(pr.point, s.sweep.value))] if s.sweep is not Sweep.NONE else []
             yield first + [name + ("*" if name == s.mode.value else "")], name, st, ceiling, naive
@@ -262,12 +262,36 @@ def staged_lines(result: BenchResult) -> list[str]:
     s, lines = result.spec, []
     for pr in result.points:
         where = f" at {s.sweep.value} {getattr(pr.point, s.sweep.value)}" if s.sweep is not Sweep.NONE else ""
-        for name in ("auto", "pack"):
+        for name in ("auto", "pack", Variant.MAPPED_AUTO.value):
             st = pr.stats.get(name)
             if st is not None and st.staged_rounds:
                 per_round = " | ".join(f"r{i}: " + " ".join(f"{x:g}" for x in r) for i, r in enumerate(st.staged_rounds))
                 lines.append(f"{name}{where}: staged sources per request by decode rank: {per_round}")
+        for name, transport in (("auto", "nixl"), (Variant.MAPPED_AUTO.value, "mapped")):
+            st = pr.stats.get(name)
+            if st is not None:
+                lines.append(f"{name}{where}: {auto_reason(s, st, pr.payload_bytes_per_request, transport)}")
     return lines
+
+
+def auto_reason(s: BenchSpec, st: VariantStats, payload_bytes: int, transport: str) -> str:
+    """Why auto chose as it did, from the cost preset of the transport it read over (docs/planner.md#auto-across-transports).
+
+    An estimate per decode rank: the request's direct descriptors (all decode ranks' over their number) and
+    payload, priced by the preset's direct and pack terms (one staged piece per source); the planner decides
+    per source with the same terms.
+    """
+    from hybrid_transfer.plan.cost import preset_for
+
+    cost = preset_for(s.device is Device.CUDA, transport)
+    desc = st.descriptors_per_request / s.decode_tp
+    nbytes = payload_bytes / s.decode_tp
+    direct, pack = cost.direct_s(round(desc), round(nbytes)), cost.pack_s(1, round(nbytes))
+    chose = "pack" if pack < direct else "direct"
+    return (f"over {transport}, the cost preset ({cost.per_descriptor_s * 1e6:g} us per descriptor, "
+            f"{1 / cost.per_byte_s / 1e9:,.0f} GB/s, pack's fixed {cost.pack_fixed_s * 1e3:g} ms) prices a decode rank's "
+            f"request at {direct * 1e3:.3f} ms direct ({desc:.0f} descriptors) against {pack * 1e3:.3f} ms packed: "
+            f"{chose} expected (staged sources above: what it chose)")
 
 
 def _plain(header: list[str], rows: list[list[str]]) -> list[str]:

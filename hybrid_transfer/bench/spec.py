@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import msgspec
 
-from hybrid_transfer.engine.config import READ_BATCHING
+from hybrid_transfer.engine.config import READ_BATCHING, READ_TRANSPORTS
 from hybrid_transfer.errors import ConfigError
 from hybrid_transfer.layout import CacheOptions, DType, KVLayout, load_preset
 from hybrid_transfer.layout.model import context_tokens
@@ -42,10 +42,21 @@ class Variant(enum.Enum):
     AUTO = "auto"
     CEILING = "ceiling"
     COPY = "copy"
+    # Over a mapping of the producer's cache (engine/mapped/; --read-transport auto or mapped): direct reads,
+    # and auto planning with the mapped path's cost preset.
+    MAPPED = "mapped"
+    MAPPED_AUTO = "mapped-auto"
 
     @property
     def plan_mode(self) -> PlanMode | None:
-        return None if self in (Variant.CEILING, Variant.COPY) else PlanMode(self.value)
+        if self in (Variant.CEILING, Variant.COPY):
+            return None
+        return {Variant.MAPPED: PlanMode.COALESCED, Variant.MAPPED_AUTO: PlanMode.AUTO}.get(self) or PlanMode(self.value)
+
+    @property
+    def read_transport(self) -> str:
+        """EngineConfig.read_transport of this variant's consumers."""
+        return "mapped" if self in (Variant.MAPPED, Variant.MAPPED_AUTO) else "nixl"
 
 
 class Point(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -88,6 +99,10 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     # posted as EngineConfig.read_batching says (docs/lifecycle.md#batched-reads)
     per_step: int | None = None
     read_batching: str = "per_step"
+    # "nixl": every variant reads over NIXL, as before issue 28. "mapped" (or "auto"): the run also times the
+    # mapped path (Variant.MAPPED, and MAPPED_AUTO with --mode auto) beside the NIXL variants, every rank with
+    # a shared secret (the mapped path needs one) and producer caches a consumer can map (docs/tuning.md#mapped-reads)
+    read_transport: str = "nixl"
 
     ALLOCATIONS: ClassVar[tuple[str, ...]] = ("fragmentation", "vllm-pool")
 
@@ -145,6 +160,8 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                  "most the requests that may be in flight")
         if self.read_batching not in READ_BATCHING:
             _bad("read_batching", self.read_batching, f"must be one of {list(READ_BATCHING)}")
+        if self.read_transport not in READ_TRANSPORTS:
+            _bad("read_transport", self.read_transport, f"must be one of {list(READ_TRANSPORTS)}")
         if self.sweep is Sweep.NONE and self.sweep_values:
             _bad("sweep_values", self.sweep_values, "need --sweep fragmentation or --sweep tokens")
         return self
@@ -177,7 +194,16 @@ class BenchSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if chosen is Variant.NAIVE:
             return (chosen, Variant.CEILING, Variant.COPY)
         direct = (Variant.COALESCED,) if chosen in (Variant.PACK, Variant.AUTO) else ()
+        if self.mapped:  # the mapped path beside NIXL's; naive (vLLM's descriptors over NIXL) is left out
+            both = chosen in (Variant.AUTO, Variant.PACK)
+            mapped = (Variant.MAPPED, Variant.MAPPED_AUTO) if both else (Variant.MAPPED,)
+            return (*mapped, chosen, *direct, Variant.CEILING, Variant.COPY)
         return (chosen, *direct, Variant.NAIVE, Variant.CEILING, Variant.COPY)
+
+    @property
+    def mapped(self) -> bool:
+        """Whether the run times the mapped read path (and so sets a secret and shareable producer caches)."""
+        return self.read_transport != "nixl"
 
     def round_order(self, round_index: int) -> tuple[Variant, ...]:
         """Variants of one round, rotated each round so no variant always runs first (or last)."""

@@ -98,7 +98,8 @@ def setup_rank(rank: _Rank, cmd: m.Setup) -> m.Reply:
     options = CacheOptions(kv_dtype=KV_DTYPES[setup.kv_dtype] if setup.kv_dtype else None, kv_layout=setup.kv_layout)
     geometry = RankGeometry(load_preset(setup.preset), setup.tp_size, setup.tp_rank, options)
     rank.setup = setup
-    rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device)
+    rank.cache = HybridCache.allocate(geometry, setup.num_blocks, device,
+                                      shared=setup.shared_cache and device.type == "cpu")
     if not setup.is_prefill:
         return m.Done()
     # The bench holds every request of a point at once, its cache sized to hold exactly them (or, with
@@ -174,7 +175,8 @@ def open_consumer(rank: _Rank, cmd: m.OpenConsumer) -> m.Reply:
 
     if rank.consumer is not None:
         rank.consumer.close()
-    config = rank.setup.engine_config(mode=cmd.mode, staging_bytes=rank.setup.staging_bytes)
+    config = rank.setup.engine_config(mode=cmd.mode, staging_bytes=rank.setup.staging_bytes,
+                                      read_transport=cmd.read_transport)
     rank.consumer = Consumer(rank.cache, config, engine_id=rank.setup.engine_id)
     rank.consumer.connect(cmd.address, timeout_s=cmd.timeout_s)
     rank.planner = Planner(rank.cache.geometry.model, rank.consumer.descriptor, cmd.producer_descriptors)

@@ -18,7 +18,7 @@ from hybrid_transfer.cli.output import (
     stdout_to_stderr,
     table_stream,
 )
-from hybrid_transfer.engine.config import READ_BATCHING
+from hybrid_transfer.engine.config import READ_BATCHING, READ_TRANSPORTS
 from hybrid_transfer.layout import KVLayout, preset_names
 from hybrid_transfer.plan.types import PlanMode
 
@@ -129,6 +129,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="EngineConfig.read_batching of the decode ranks: per_step posts one READ and one "
                              "Claims per producer agent per start_reads call, per_request each request alone "
                              "(docs/lifecycle.md#batched-reads)")
+    parser.add_argument("--read-transport", choices=list(READ_TRANSPORTS), default=d.read_transport,
+                        help="nixl: every variant reads over NIXL. auto or mapped: also time the mapped path "
+                             "(variants mapped, and mapped-auto with --mode auto: one copy call per step over a "
+                             "mapping of the producer's cache, same host only) beside the NIXL variants; every "
+                             "rank then gets a fresh shared secret (docs/tuning.md#mapped-reads)")
     parser.add_argument("--wide", action="store_true",
                         help="print every column and the time-split table (about 190 columns); the default "
                              "summary fits 100")
@@ -169,7 +174,7 @@ def spec_from_args(args: argparse.Namespace) -> BenchSpec:
         split_batch_size=args.split_batch_size,
         post_thread=None if args.post_thread is None else args.post_thread == "on",
         kv_layout=args.kv_layout, transport=args.transport, per_step=args.per_step,
-        read_batching=args.read_batching,
+        read_batching=args.read_batching, read_transport=args.read_transport,
     ).validate()
 
 

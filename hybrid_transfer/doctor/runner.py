@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-from hybrid_transfer.doctor import host, paths
+from hybrid_transfer.doctor import host, mapped, paths
 from hybrid_transfer.doctor.types import CheckResult, Device, DoctorOptions, DoctorReport, gpu_info, not_run
 
 
@@ -51,6 +51,7 @@ def run_doctor(options: DoctorOptions, on_check: Callable[[CheckResult], None] |
                                 vram_transports=paths.observed_transports(vram, paths.Memory.VRAM,
                                                                           options.num_bytes),
                                 device=options.device))
+    record(mapped.check_mapped_path(gpu_present=gpu_present))
     record(host.check_side_channel_port(options.host, options.port))
     if api_module:
         record(host.check_progress_thread(api_module, sample_s=options.progress_sample_s))

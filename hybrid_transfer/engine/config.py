@@ -106,6 +106,7 @@ WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", "[::]", "*"})  # bind hosts that me
 
 
 READ_BATCHING = ("per_step", "per_request")  # EngineConfig.read_batching
+READ_TRANSPORTS = ("auto", "nixl", "mapped")  # EngineConfig.read_transport (engine/mapped/, docs/tuning.md#mapped-reads)
 
 
 class CostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -197,6 +198,12 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     read_batching: how a consumer rank's ``start_reads`` posts a step's requests (docs/lifecycle.md#batched-reads):
         "per_step" (one READ per producer agent for every direct source of the step, one Claims per agent
         per step, one Completions per agent per poll) or "per_request" (each request alone, as ``start_read``).
+    read_transport: how a consumer reads from each producer agent, chosen per link at the handshake
+        (engine/mapped/, docs/tuning.md#mapped-reads): "auto" maps the producer's cache (shared memory of a
+        cache the library allocated, CUDA IPC of a GPU cache) when both ranks are on one host, both can open
+        that kind and a shared secret authenticated the handshake, else reads over NIXL; "nixl" never maps
+        (a producer with it offers no handles); "mapped" fails a link that cannot be mapped (cause
+        "incompatible") instead of falling back.
     """
 
     side_channel_host: str = "127.0.0.1"
@@ -230,6 +237,7 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_links: int = 256
     max_handshake_sockets: int = 64
     read_batching: str = "per_step"
+    read_transport: str = "auto"
 
     def validate(self) -> EngineConfig:
         """Return self, or raise ConfigError naming the first bad field."""
@@ -282,6 +290,8 @@ class EngineConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if self.split_batch_size is not None and (
                 not isinstance(self.split_batch_size, int) or self.split_batch_size < 1):
             _bad("split_batch_size", self.split_batch_size, "must be None or a positive integer")
+        if self.read_transport not in READ_TRANSPORTS:
+            _bad("read_transport", self.read_transport, f"must be one of {list(READ_TRANSPORTS)}")
         if self.read_batching not in READ_BATCHING:
             _bad("read_batching", self.read_batching, f"must be one of {list(READ_BATCHING)}")
         if not isinstance(self.mode, PlanMode):

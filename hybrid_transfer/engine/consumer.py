@@ -55,6 +55,7 @@ from hybrid_transfer.engine.lifecycle.state import (
     transition,
 )
 from hybrid_transfer.engine.log_gate import LogGate
+from hybrid_transfer.engine.mapped import ReadTransports
 from hybrid_transfer.engine.pack.reader import PackReader
 from hybrid_transfer.engine.peer_record import PeerStage, consumer_agent_name
 from hybrid_transfer.engine.peers import EngineLink, LinkState, LinkStats, Peers
@@ -144,8 +145,11 @@ class Consumer(ProducerNotes):
         self._closed = False
         self._peers: Peers | None = None
         self._pack: PackReader | None = None
+        self.reads: ReadTransports | None = None
         try:
             self.agent.register(cache.regions)
+            # Every READ goes through this seam: over NIXL, or over a mapping of the producer's cache (engine/mapped/).
+            self.reads = ReadTransports(self.agent, cache, self.config.read_transport)
             self.descriptor = describe_cache(cache)
             self.fingerprint = fingerprint_of(self.geometry)
             self._digest = self.fingerprint.digest()
@@ -155,9 +159,10 @@ class Consumer(ProducerNotes):
             self._peers = Peers(self.agent, self.geometry.model, self.descriptor, self.fingerprint, self.engine_id,
                                 clock, self.config.handshake_timeout_s, self._secret, curve=curve,
                                 allowed=AllowedProducers(self.config.allowed_producers),
-                                max_links=self.config.max_links, max_sockets=self.config.max_handshake_sockets)
+                                max_links=self.config.max_links, max_sockets=self.config.max_handshake_sockets,
+                                reads=self.reads, read_transport=self.config.read_transport)
             # Pack mode (staging reads, engine/pack/reader.py) and every request's timings.
-            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock)
+            self._pack = PackReader(self.agent, cache, self.config, self._digest, clock, reads=self.reads)
         except BaseException:
             self.close()
             raise
@@ -546,6 +551,16 @@ class Consumer(ProducerNotes):
         return len(self._records)
 
     @property
+    def num_live_handles(self) -> int:
+        """READ handles (NIXL's and mapped ones) that could still write."""
+        return self.reads.num_live_handles
+
+    def link_transports(self) -> dict[str, str]:
+        """Producer agent -> the transport its READs take ("nixl", "shm", "cuda_ipc"), for every agent linked."""
+        return {agent: link.transports.get(rank, "nixl") for link in self._peers.links()
+                for rank, agent in link.agents.items()}
+
+    @property
     def num_quarantined_blocks(self) -> int:
         """Local blocks of failed or aborted requests that something may still write."""
         return self._quarantine.num_blocks
@@ -587,11 +602,15 @@ class Consumer(ProducerNotes):
         elif req.state is ReadState.READING:
             pack_error = self._pack.advance(req)  # pack: scatters staged sources whose READ is DONE
             now = self._clock()  # on CPU that scatter ran inside the call: DONE is stamped after it
-            states = [self.agent.check(h) for h in req.handles]
+            states = [self.reads.check(h) for h in req.handles]
+            lost = next((a for a in req.awaiting_claims if self._is_lost(a)), None)
             if pack_error is not None:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
             elif XferState.ERR in states:
                 self._on_read_error(req, now)
+            elif lost is not None:  # its bytes may be in place (a mapped copy ends in the call), its claim never
+                self._end(req, SourceLostError(request_id=req.request_id, agent=lost,
+                                               detail=str(self._records[lost].error)), now, FailureCause.SOURCE_LOST)
             elif (all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox)
                   and not req.awaiting_claims):
                 self._complete(req, now)
@@ -614,8 +633,9 @@ class Consumer(ProducerNotes):
 
     def _plan(self, t: wire.Ticket, local_ids, link: EngineLink, first_token: int = 0) -> ReadPlan:
         """A request's one plan (validated once, here), against ``link``'s planner."""
-        return link.resolve().planner.plan(local_ids, t.block_ids, t.num_tokens, self._pack.plan_mode,
-                                           cost=self._pack.cost, first_token=first_token)
+        link = link.resolve()
+        return link.planner.plan(local_ids, t.block_ids, t.num_tokens, self._pack.plan_mode,
+                                 cost=self._pack.cost_for(link), first_token=first_token)
 
     def _post(self, req: ReadRequest, plan: ReadPlan, now: float) -> None:
         transition(req, ReadState.READING, now)
@@ -667,7 +687,7 @@ class Consumer(ProducerNotes):
         self._recorder.on_done(needed, req.num_bytes, req.num_descriptors,
                                now - (fields.get("posted_at") or req.started_at))
         self._tell_producers(req, wire.CompletionKind.DONE)
-        leftovers = [h for h in req.handles if not self.agent.release(h)]
+        leftovers = [h for h in req.handles if not self.reads.release(h)]
         if leftovers:  # DONE handles write nothing more; NIXL lets go of them on a later poll
             self._leftovers += 1
             self._quarantine.add(f"\0done:{self._leftovers}", (), leftovers)
@@ -691,8 +711,8 @@ class Consumer(ProducerNotes):
 
     def _release(self, handle) -> bool:
         """For the quarantine: progress a handle, then let go of it if NIXL allows."""
-        self.agent.check(handle)
-        return self.agent.release(handle)
+        self.reads.check(handle)
+        return self.reads.release(handle)
 
     def _finish_ending(self, req: ReadRequest, now: float) -> None:
         if req.state is ReadState.ABORTING:
@@ -779,9 +799,11 @@ class Consumer(ProducerNotes):
                 log.info("consumer %s: %s", self.agent.name, exc)
         for req in getattr(self, "_requests", {}).values():
             for handle in req.handles:
-                self.agent.release(handle)
+                self.reads.release(handle)
         if self._peers is not None:
             self._peers.close()
+        if self.reads is not None:
+            self.reads.close()
         if self._pack is not None:
             self._pack.close()
         self.agent.close()

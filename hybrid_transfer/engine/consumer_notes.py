@@ -213,6 +213,7 @@ class ProducerNotes:
         record = self._records.get(agent)
         if record is None:
             return  # not an agent of a link we hold (its link was dropped idle): nothing depends on it
+        self.reads.invalidate(agent, f"the producer agent is gone: {error}")  # no mapped copy from it after this
         if record.stage is not PeerStage.GONE:
             advance(record, PeerStage.GONE, self._clock())
             record.error = error

@@ -10,6 +10,10 @@ builds its Planner over every producer rank, which rejects what it cannot map.
 With a shared secret (engine/auth.py) a producer answers nothing but a challenge until the
 consumer has proven the secret: a refusal then names no engine and no field, and the accepted
 reply (agent metadata, region addresses) goes only to a consumer whose proof checked.
+
+The mapped path (wire version 11, engine/mapped/): a card built with a ``mapping`` (the producer has a
+secret) keeps a second accepted reply that carries it; ``answer`` sends that one only after the consumer
+proved the secret, and only when the request names this host's key and a kind the offer is of.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
+
+import msgspec
 
 from hybrid_transfer.engine import auth, wire
 from hybrid_transfer.errors import HandshakeError, PlanError, WireDecodeError
@@ -42,8 +48,10 @@ class ProducerCard:
     engine_id: str
     incarnation: int
     engine_addresses: tuple[str, ...]
+    mapping: wire.MapOffer | None = field(default=None, repr=False)  # only a card of a rank with a secret
     digest: str = field(init=False)
     accepted_reply: bytes = field(init=False)  # the same bytes for every compatible consumer
+    mapped_reply: bytes = field(init=False, repr=False)  # ... with the mapping, for an authenticated one on our host
 
     def __post_init__(self) -> None:
         digest = self.fingerprint.digest()
@@ -54,6 +62,17 @@ class ProducerCard:
         )
         object.__setattr__(self, "digest", digest)
         object.__setattr__(self, "accepted_reply", wire.encode(reply, digest))
+        mapped = b"" if self.mapping is None else wire.encode(msgspec.structs.replace(reply, mapping=self.mapping),
+                                                              digest)
+        object.__setattr__(self, "mapped_reply", mapped)
+
+    def reply_for(self, request: wire.HandshakeRequest, authenticated: bool) -> bytes:
+        """The accepted reply for ``request``: with the mapping only when authenticated, same host, same kind."""
+        m = self.mapping
+        if (authenticated and m is not None and m.host and request.map_host == m.host
+                and m.kind in request.map_kinds):
+            return self.mapped_reply
+        return self.accepted_reply
 
 
 @dataclass
@@ -117,7 +136,7 @@ def answer(card: ProducerCard, data: bytes, stats: ListenerStats, on_accept: Cal
     else:
         on_accept(request.agent_name, key)
     stats.accepted += 1
-    return card.accepted_reply
+    return card.reply_for(request, authenticated=key is not None)
 
 
 def _authenticate(card: ProducerCard, request: wire.HandshakeRequest, stats: ListenerStats,
@@ -180,9 +199,11 @@ def _incompatible(card: ProducerCard, consumer: RankDescriptor) -> str:
 
 
 def make_request(fingerprint: Fingerprint, rank: RankDescriptor, agent_name: str, engine_id: str, *,
-                 client_nonce: bytes = b"", server_nonce: bytes = b"", proof: bytes = b"") -> bytes:
+                 client_nonce: bytes = b"", server_nonce: bytes = b"", proof: bytes = b"", map_host: str = "",
+                 map_kinds: tuple[str, ...] = ()) -> bytes:
     body = wire.HandshakeRequest(fingerprint=fingerprint, rank=rank, agent_name=agent_name, engine_id=engine_id,
-                                 client_nonce=client_nonce, server_nonce=server_nonce, proof=proof)
+                                 client_nonce=client_nonce, server_nonce=server_nonce, proof=proof,
+                                 map_host=map_host, map_kinds=tuple(map_kinds))
     return wire.encode(body, fingerprint.digest())
 
 

@@ -104,6 +104,9 @@ class ConsumerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     notifications_dropped: int = 0  # arrived while the backlog of unhandled notifications was full (engine/inbox.py)
     notifications_fetched: int = 0  # handed over by NIXL's notification fetch
     notification_fetch: LatencySummary = msgspec.field(default_factory=LatencySummary)  # time inside NIXL's fetch
+    transports: dict[str, int] = msgspec.field(default_factory=dict)  # producer agents linked, by transport (engine/mapped/)
+    reads_by_transport: dict[str, int] = msgspec.field(default_factory=dict)  # READs posted, per transport
+    bytes_by_transport: dict[str, int] = msgspec.field(default_factory=dict)  # ... and their bytes
 
 
 class ProducerMetrics(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -161,7 +164,9 @@ def consumer_metrics(consumer) -> ConsumerMetrics:
         rejected_messages=dict(consumer.rejections.counts), unexpected_notifications=s.unexpected_notifications,
         claims_refused=s.claims_refused, revokes=s.revokes, links=consumer.num_links,
         link_failures=consumer.link_stats.failures, links_evicted=consumer.link_stats.evicted,
-        notifications_dropped=s.notifications_dropped, **_fetch(consumer.agent))
+        notifications_dropped=s.notifications_dropped, transports=dict(Counter(consumer.link_transports().values())),
+        reads_by_transport=dict(consumer.reads.reads), bytes_by_transport=dict(consumer.reads.bytes),
+        **_fetch(consumer.agent))
 
 
 def producer_metrics(producer) -> ProducerMetrics:

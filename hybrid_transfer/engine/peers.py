@@ -20,6 +20,12 @@ recently used ready link the owner reports idle (``in_use``: no request, no pend
 every link is in use is the new engine refused (cause "capacity"). A link that goes (evicted, expired,
 or its engine replaced by a newer incarnation once idle) takes its agents' PeerRecords with it, after
 ``on_drop`` (the owner says Bye), so ``records`` holds at most the agents of the links held.
+
+Read transports (issue 28, engine/mapped/): with a secret, each request names this host and the mapping
+kinds this rank can open; each source agent's transport is chosen once, when its link becomes ready
+(``ReadTransports.attach``: its mapping from an authenticated reply, else NIXL) and kept in
+``EngineLink.transports``. A newer incarnation of an engine invalidates the older one's mappings at once
+(no copy from them after that, even while that link waits to go idle); a link that goes unmaps them.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from dataclasses import dataclass, field
 from hybrid_transfer.engine import auth, handshake, wire
 from hybrid_transfer.engine.addresses import AllowedProducers, parse_address
 from hybrid_transfer.engine.agent import NixlAgent
+from hybrid_transfer.engine.mapped import ReadTransports
 from hybrid_transfer.engine.peer_record import PeerRecord
 from hybrid_transfer.engine.side_channel import Curve, HandshakeClient
 from hybrid_transfer.errors import (
@@ -78,6 +85,7 @@ class EngineLink:
     cause: str = ""  # FAILED: the one-word cause (HandshakeError.cause)
     failures: int = 0  # failed handshakes of this engine in a row: the backoff doubles with each
     retry_at: float = 0.0  # FAILED: no new handshake before this (the owner's clock)
+    transports: dict[int, str] = field(default_factory=dict)  # source rank -> "nixl", "shm" or "cuda_ipc"
 
     def resolve(self) -> EngineLink:
         link = self
@@ -103,7 +111,7 @@ class Peers:
     def __init__(self, agent: NixlAgent, model: ModelSpec, local: RankDescriptor, fingerprint: Fingerprint,
                  engine_id: str, clock: Callable[[], float], timeout_s: float, secret: bytes | None = None, *,
                  curve: Curve | None = None, allowed: AllowedProducers | None = None, max_links: int = 256,
-                 max_sockets: int = 64):
+                 max_sockets: int = 64, reads: ReadTransports | None = None, read_transport: str = "auto"):
         self._agent = agent
         self._model = model
         self._local = local
@@ -111,6 +119,10 @@ class Peers:
         self._fingerprint, self._engine_id = fingerprint, engine_id
         self._request = handshake.make_request(fingerprint, local, agent.name, engine_id)
         self._secret = secret
+        self._reads = reads
+        self._read_transport = read_transport
+        # Mappings are asked for only with a secret: a producer offers them only after a proof (handshake.py).
+        self._map = reads.request_fields() if reads is not None and secret is not None else {}
         self._nonces: dict[str, bytes] = {}  # address -> our client nonce of its handshake in progress
         self._proven: dict[str, tuple[bytes, str]] = {}  # address -> (server nonce, agent) of a checked challenge
         self.records: dict[str, PeerRecord] = {}  # producer agent name -> what we know of it (one record each)
@@ -134,6 +146,10 @@ class Peers:
     @property
     def num_sockets(self) -> int:
         return self._client.num_sockets
+
+    def links(self) -> list[EngineLink]:
+        """Every link held, least recently used first."""
+        return list(self._links.values())
 
     def find(self, key: tuple[str, int]) -> EngineLink | None:
         """The link of an engine, if any (nothing is started, nothing moves in the LRU order)."""
@@ -273,6 +289,9 @@ class Peers:
         self._replaced.discard(key)
         if link.state is LinkState.READY:
             self.on_drop(link)
+        if self._reads is not None:
+            for name in link.agents.values():
+                self._reads.detach(name)
         for name in link.agents.values():
             if self.records.pop(name, None) is not None:
                 self.stats.records_dropped += 1
@@ -287,7 +306,7 @@ class Peers:
         else:
             cn = self._nonces[address] = auth.new_nonce()
             payload = handshake.make_request(self._fingerprint, self._local, self._agent.name, self._engine_id,
-                                             client_nonce=cn)
+                                             client_nonce=cn, **self._map)
         try:
             self._client.send(address, payload)
         except HandshakeError as exc:
@@ -309,7 +328,8 @@ class Peers:
         self._pending[address] = link
         self._client.send(address, handshake.make_request(self._fingerprint, self._local, self._agent.name,
                                                           self._engine_id, client_nonce=cn,
-                                                          server_nonce=challenge.server_nonce, proof=mine))
+                                                          server_nonce=challenge.server_nonce, proof=mine,
+                                                          **self._map))
 
     def _link_key(self, address: str, reply: wire.HandshakeReply) -> bytes | None:
         """The link key of an accepted reply (None without a secret).
@@ -414,13 +434,32 @@ class Peers:
             # A new handshake with an agent (after a timeout) starts a new record: a new key, a new Hello.
             self.records[name] = PeerRecord(name, auth.Link.for_consumer(key) if key is not None else None,
                                             since=self._clock())
+            link.transports[source] = self._transport(link, source, name, reply, key is not None)
         link.planner = planner
         link.state = LinkState.READY
         link.failures = 0
         engine_id, incarnation = link.key
         self._replaced.update(k for k in self._links if k[0] == engine_id and k[1] != incarnation)
+        if self._reads is not None:  # an older incarnation's mappings: no copy from them from now on
+            for k in self._replaced:
+                for name in self._links[k].agents.values() if k in self._links else ():
+                    self._reads.invalidate(name, f"producer engine {engine_id} restarted (incarnation {incarnation})")
         log.info("consumer %s linked to producer engine %s (TP %d)", self._agent.name, link.key,
                  len(link.addresses))
+
+    def _transport(self, link: EngineLink, source: int, name: str, reply: wire.HandshakeReply,
+                   authenticated: bool) -> str:
+        """The transport of one source agent's READs (module docstring); raises when "mapped" is required."""
+        if self._reads is None:
+            return "nixl"
+        rank = reply.rank
+        expected = [(a, rank.region_bytes) for a in rank.tensor_addrs]
+        chosen = self._reads.attach(name, reply.mapping if authenticated else None, expected)
+        if chosen == "nixl" and self._read_transport == "mapped":
+            raise HandshakeError(f"read_transport='mapped', but producer agent {name} cannot be mapped from here "
+                                 "(another host, no shared secret, or a cache that is not shareable)",
+                                 address=link.addresses[source], cause="incompatible")
+        return chosen
 
     def _fail(self, link: EngineLink, error: HandshakeError) -> None:
         link = link.resolve()

@@ -50,6 +50,7 @@ from hybrid_transfer.engine.lifecycle.holds import Heard, HoldBook
 from hybrid_transfer.engine.lifecycle.pending import PendingHandshakes
 from hybrid_transfer.engine.lifecycle.state import Hold, HoldState
 from hybrid_transfer.engine.log_gate import LogGate
+from hybrid_transfer.engine.mapped.offer import make_offer
 from hybrid_transfer.engine.pack.stager import STAGING_MODES, Stager
 from hybrid_transfer.engine.peer_record import PeerRecord, PeerStage, advance, consumer_slot
 from hybrid_transfer.engine.side_channel import HandshakeServer
@@ -151,6 +152,8 @@ class Producer:
             self._digest = self.fingerprint.digest()
             self._secret = auth.load_secret(self.config.secret_file)
             auth.warn_if_open(self._secret, f"producer {self.agent.name}")
+            # The mapped path (engine/mapped/): handles of the cache's regions, sent only after a proof.
+            self._map_offer = make_offer(cache, self.config.read_transport, self._secret)
             if self.config.mode in STAGING_MODES:  # registers its pool: before the metadata is read
                 self.stager = Stager(self.agent, cache, self.config, self._digest)
             self._metadata = self.agent.metadata
@@ -203,7 +206,8 @@ class Producer:
     def _set_card(self, addresses: tuple[str, ...]) -> None:
         # One reference swap: the listener thread sees the old card or the new one, never a mix.
         self._card = ProducerCard(self.geometry.model, self.fingerprint, self.descriptor, self.agent.name,
-                                  self._metadata, self.engine_id, self.incarnation, addresses)
+                                  self._metadata, self.engine_id, self.incarnation, addresses,
+                                  mapping=self._map_offer)
 
     def _respond(self, data: bytes) -> bytes | None:
         """Runs on the listener thread."""

@@ -142,10 +142,10 @@ def plan_step(consumer: Any, checked: Sequence[tuple[int, Checked]]) -> dict[int
     out: dict[int, ReadPlan | Exception] = {}
     pack = consumer._pack
     for group in per_link.values():
-        planner = group[0][1].known.resolve().planner
+        link = group[0][1].known.resolve()
         items = [(c.ids, c.ticket.block_ids, c.ticket.num_tokens, c.first_token) for _, c in group]
         try:
-            plans = planner.plan_many(items, pack.plan_mode, cost=pack.cost)
+            plans = link.planner.plan_many(items, pack.plan_mode, cost=pack.cost_for(link))
         except Exception:  # noqa: BLE001 - not a PlanError: each request again alone, so it stays with its own
             plans = [_plan_alone(consumer, c) for _, c in group]
         out.update((i, plan) for (i, _), plan in zip(group, plans, strict=True))
@@ -223,7 +223,7 @@ def _post_read(consumer: Any, peer: str, read: SourceBatch, reqs: Sequence[Any],
             first += b - a
         rows = shifted
     try:
-        handle = consumer.agent.post_read(peer, local, remote)
+        handle = consumer.reads.post_read(peer, local, remote)  # NIXL, or one copy over a mapping (engine/mapped/)
     except EngineError as exc:
         for i, _, _ in rows:
             consumer._on_post_error(reqs[i], peer, exc, now)

@@ -46,6 +46,12 @@ Version log:
      defaulted ("token-major"): the attention kernel's order inside a kernel page. A kernel page of an
      interior that is not token-major moves whole, and a pair whose interiors differ is refused at the
      handshake (docs/attention-layouts.md#page-interiors).
+  11: the mapped read path (issue 28, engine/mapped/): HandshakeRequest.map_host / map_kinds (the host
+     key and the mapping kinds a consumer can open) and HandshakeReply.mapping (a MapOffer: the kind and
+     one handle per registered region), each last and defaulted. A producer sends a MapOffer only in the
+     accepted reply of an authenticated handshake (a secret set on both sides) to a consumer on its host
+     that can open that kind (docs/wire.md#v11, docs/security.md#mapped-reads). Version 10 is
+     issue 27's.
 
 NIXL notifications carry everything after the handshake, both ways: they reach exactly the agent
 that serves or issues the READs, are reliable and ordered per connection, need no further socket,
@@ -65,7 +71,7 @@ from hybrid_transfer.errors import WireDecodeError, echo
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.plan.rank import RankDescriptor
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 MAX_MESSAGE_BYTES = 16 << 20  # agent metadata is a few KiB; anything near this is hostile
 
 # Caps checked while decoding (issue 14): they bound what one peer message can make us store (a name
@@ -86,6 +92,9 @@ Count = Annotated[int, msgspec.Meta(ge=0)]  # token counts, block ids, ranks, by
 Seconds = Annotated[float, msgspec.Meta(ge=0)]
 MAX_AUTH_BYTES = 64  # nonces and MACs (32 bytes each today)
 AuthBytes = Annotated[bytes, msgspec.Meta(max_length=MAX_AUTH_BYTES)]
+MAX_MAP_REGIONS = 4096  # regions of one MapOffer (version 11): a rank registers one per shared tensor (tens)
+MAX_MAP_HANDLE_BYTES = 1024  # one region's handle (a shared-memory name, or a CUDA IPC handle and its fields)
+MAP_KINDS = ("shm", "cuda_ipc")  # version 11: what a MapOffer's handles open (engine/mapped/)
 MAX_BATCH = 1024  # entries of one Claims / ClaimReplies / Completions (version 8); a sender splits longer lists
 
 
@@ -131,6 +140,8 @@ class HandshakeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, 
     client_nonce: AuthBytes = b""  # with a secret: fresh per handshake (engine/auth.py)
     server_nonce: AuthBytes = b""  # the second request only: the producer's challenge
     proof: AuthBytes = b""  # ... and the consumer's proof of the secret over both nonces
+    map_host: Name = ""  # version 11: this host's key (engine/mapped/host.py); "": the consumer maps nothing
+    map_kinds: Annotated[tuple[Name, ...], msgspec.Meta(max_length=8)] = ()  # ... the MAP_KINDS it can open
 
 
 class AuthChallenge(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="auth_challenge"):
@@ -216,6 +227,26 @@ class FieldDifference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 REFUSAL_CAUSES = ("secret", "capacity", "incompatible", "busy")  # HandshakeReply.cause (version 7)
 
 
+class MapRegion(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """One registered region as a mapping opens it (version 11): its address on the producer and its handle."""
+
+    addr: Count  # the region's base address in the producer (the RankDescriptor's tensor address)
+    length: Count
+    handle: Annotated[bytes, msgspec.Meta(max_length=MAX_MAP_HANDLE_BYTES)]
+
+
+class MapOffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a consumer on the producer's host needs to map the producer's cache (version 11).
+
+    A handle grants what a NIXL remote key grants (docs/security.md#mapped-reads): it travels only inside an
+    accepted, authenticated handshake reply.
+    """
+
+    kind: Name  # one of MAP_KINDS
+    host: Name  # the producer's host key: the consumer maps only when it equals its own
+    regions: Annotated[tuple[MapRegion, ...], msgspec.Meta(max_length=MAX_MAP_REGIONS)]
+
+
 class HandshakeReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="handshake_reply"):
     """A producer rank's answer: its agent and cache, or why it refuses."""
 
@@ -229,6 +260,7 @@ class HandshakeReply(msgspec.Struct, frozen=True, forbid_unknown_fields=True, ta
     agent_metadata: bytes = b""
     rank: RankDescriptor | None = None
     cause: Name = ""  # version 7: why a refusal happened, one of REFUSAL_CAUSES; "" when accepted
+    mapping: MapOffer | None = None  # version 11: handles of the rank's regions (authenticated, same host only)
 
 
 class Ticket(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag="ticket"):

@@ -8,6 +8,13 @@ choice on every rank and in every round (a per-rank start-up calibration does no
   cost per staged source, read off the one-H200 pack rows (docs/benchmarks.md#issue-13-final).
 - HOST_COST: a 2-core CPU host over shared memory: ~2 us per descriptor, 4.6 GB/s per READ byte,
   5.8 GB/s per copied byte.
+
+Per transport (issue 28, docs/planner.md#auto-across-transports): a link read over a mapping of the
+producer's cache (engine/mapped/) plans with MAPPED_GPU_COST or MAPPED_HOST_COST, read off the copy
+figures of docs/benchmarks.md#issue-28: ~0.4 us of worker thread per range and 1,590 GB/s for one gather
+kernel per step on one H200; ~0.1 us per range and ~7.8 GB/s for the numpy row copy on a CPU host. A
+staged source still reads its staging over NIXL and pays pack_fixed_s, so on a mapped link pack is
+chosen only where direct would cost more than that fixed share: practically never.
 """
 
 from __future__ import annotations
@@ -77,6 +84,16 @@ HOST_COST = CostModel(per_descriptor_s=2e-6, per_byte_s=1.0 / 4.6e9, copy_per_by
                       per_piece_copy_s=5e-8, copy_launch_s=1e-5, pack_fixed_s=1e-3)
 
 
-def preset_for(device_memory: bool) -> CostModel:
-    """The preset for a cache in device (GPU) memory or in host memory."""
+MAPPED_GPU_COST = CostModel(per_descriptor_s=4e-7, per_byte_s=1.0 / 1.59e12)
+MAPPED_HOST_COST = CostModel(per_descriptor_s=1e-7, per_byte_s=1.0 / 7.8e9, copy_per_byte_s=1.0 / 5.8e9,
+                             per_piece_copy_s=5e-8, copy_launch_s=1e-5, pack_fixed_s=1e-3)
+TRANSPORTS = ("nixl", "mapped")
+
+
+def preset_for(device_memory: bool, transport: str = "nixl") -> CostModel:
+    """The preset for a cache in device (GPU) memory or in host memory, read over NIXL or a mapping."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport={transport!r} must be one of {list(TRANSPORTS)}")
+    if transport == "mapped":
+        return MAPPED_GPU_COST if device_memory else MAPPED_HOST_COST
     return GPU_COST if device_memory else HOST_COST

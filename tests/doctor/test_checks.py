@@ -343,3 +343,18 @@ def test_report_ok_means_no_failure():
 def test_options_reject_bad_values(bad):
     with pytest.raises(ConfigError):
         DoctorOptions(**bad).validate()
+
+
+def test_the_mapped_path_check_names_the_kinds_and_wants_a_secret(monkeypatch):
+    from hybrid_transfer.doctor.mapped import check_mapped_path
+    from hybrid_transfer.engine import auth
+
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    without = check_mapped_path(gpu_present=False)
+    assert_well_formed(without, "mapped_path")
+    assert without.status is Status.WARN and "no shared secret" in without.detail
+    assert without.data["kinds"] == ["shm"] and without.data["round_trip"] == "ok"
+    monkeypatch.setenv(auth.SECRET_ENV, "doctor-secret-0123456789abcdef")
+    with_secret = check_mapped_path(gpu_present=False)
+    assert_well_formed(with_secret, "mapped_path")
+    assert with_secret.status is Status.PASS and "shm" in with_secret.detail

@@ -43,6 +43,8 @@ class RankSpec:
     num_blocks: int
     options: Any = None  # CacheOptions or None
     model_name: str = "tiny"
+    shared: bool = False  # the cache over named shared memory (a producer's can then be mapped: engine/mapped/)
+    device: str = "cpu"  # where the cache lives ("cuda": GPU 0, tests/gpu)
 
     def geometry(self):
         from hybrid_transfer.layout import RankGeometry, load_preset, model_from_config
@@ -134,7 +136,7 @@ def _op_create_producer(state, key, spec: RankSpec, engine_id, incarnation, conf
     from hybrid_transfer.cache import HybridCache
     from hybrid_transfer.engine import Producer
 
-    cache = HybridCache.allocate(spec.geometry(), spec.num_blocks)
+    cache = HybridCache.allocate(spec.geometry(), spec.num_blocks, spec.device, shared=spec.shared)
     producer = Producer(cache, config, engine_id=engine_id, incarnation=incarnation)
     state.ranks[key] = _Rank(producer, True)
     return producer.address
@@ -145,7 +147,7 @@ def _op_create_consumer(state, key, spec: RankSpec, config, engine_id):
     from hybrid_transfer.engine import Consumer
     from hybrid_transfer.verify import poison
 
-    cache = HybridCache.allocate(spec.geometry(), spec.num_blocks)
+    cache = HybridCache.allocate(spec.geometry(), spec.num_blocks, spec.device, shared=spec.shared)
     poison(cache)
     state.ranks[key] = _Rank(Consumer(cache, config, engine_id=engine_id), False)
 

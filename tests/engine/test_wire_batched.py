@@ -22,9 +22,10 @@ BATCHED = [
 ]
 
 
-def test_the_protocol_is_version_10():
-    # 8 batched reads per step; 9 added kv_interior (issue 26); 10 draft_layers and speculative_slots (issue 27)
-    assert wire.PROTOCOL_VERSION == 10
+def test_the_protocol_is_version_11():
+    # 8 batched reads per step; 9 added kv_interior (issue 26); 10 draft_layers and speculative_slots
+    # (issue 27); 11 the mapped path (issue 28)
+    assert wire.PROTOCOL_VERSION == 11
     assert (wire.Kind.CLAIMS, wire.Kind.CLAIM_REPLIES, wire.Kind.COMPLETIONS) == (15, 16, 17)
 
 

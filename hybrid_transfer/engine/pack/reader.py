@@ -52,6 +52,7 @@ from hybrid_transfer.engine.pack.stager import STAGING_MODES
 from hybrid_transfer.engine.pack.staging import StagingPool, StagingSlice
 from hybrid_transfer.engine.pack.steps import SETTLED, SourceStep, step_to
 from hybrid_transfer.errors import EngineError, HybridTransferError
+from hybrid_transfer.plan.cost import CostModel, preset_for
 from hybrid_transfer.plan.types import PackSourcePlan, PlanMode
 
 log = logging.getLogger(__name__)
@@ -106,8 +107,10 @@ class PackReader:
     """A consumer rank's pack reads, staging pool and per-request timings."""
 
     def __init__(self, agent: NixlAgent, cache: HybridCache, config: EngineConfig, digest: str,
-                 clock: Callable[[], float]):
-        self._agent = agent
+                 clock: Callable[[], float], *, reads: Any = None):
+        # READs are posted and checked through the consumer's transport seam (engine/mapped/transport.py)
+        # when given: a direct source of a mapped producer is one copy; staging is always read over NIXL.
+        self._agent = reads if reads is not None else agent
         self._clock = clock  # read afresh after copies: on CPU a READ or a scatter runs inside the call
         self._rank = cache.geometry.tp_rank
         self._config = config
@@ -115,6 +118,7 @@ class PackReader:
         self.enabled = config.mode in STAGING_MODES
         self.stats = PackStats()
         self.cost = initial_cost(config, cache.device.type == "cuda")  # docs/planner.md#auto
+        self._on_gpu = cache.device.type == "cuda"
         self.pool: StagingPool | None = None
         self._tracks: dict[str, _Track] = {}
         self._stages: dict[str, bool] = {}  # producer agent -> whether it stages (its Welcome)
@@ -133,6 +137,14 @@ class PackReader:
         self._copier = Copier(Arena(cache.tensors))
         if config.mode is PlanMode.AUTO and config.cost is None and config.calibrate:
             self.cost = cost_model(calibrate(agent, self.pool, self._copier))
+
+    def cost_for(self, link: Any) -> CostModel:
+        """The cost model for a link's reads: its transport's preset (docs/planner.md#auto-across-transports),
+        unless the config gives (or calibrated) one, which then holds for every transport."""
+        transports = set(link.transports.values()) if link is not None else set()
+        if self._config.cost is not None or self._config.calibrate or transports <= {"nixl"}:
+            return self.cost
+        return preset_for(self._on_gpu, "mapped")
 
     @property
     def plan_mode(self) -> PlanMode:

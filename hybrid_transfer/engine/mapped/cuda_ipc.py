@@ -1,0 +1,213 @@
+"""CUDA IPC of a GPU cache, and the mapped path's copy on a GPU: one gather kernel per step.
+
+Handles: each shared tensor's storage is exported with torch's CUDA IPC (the cudaIpcMemHandle of the
+allocation that holds it, its offset, and torch's reference-count segment), encoded as one msgpack array
+(``export_handles``); a consumer on the same host opens it once per link (``IpcMapping``) and gets the
+address of the producer's bytes in its own context. Only same-host CUDA IPC is built; an NVLink domain
+across hosts needs fabric handles of VMM allocations (docs/tuning.md#mapped-reads-across-hosts).
+
+The copy, chosen by the copy-path figures measured on one H200 (docs/benchmarks.md#issue-28):
+cudaMemcpyBatchAsync costs about 5 us of CPU per range (no better than UCX's cuda_ipc), a gather kernel
+over a table of chunks about 0.4 us per range when 16 requests go in one launch, at 0.91-0.99 of a
+contiguous copy's bandwidth. So ``RangeCopier`` splits every range into chunks of at most
+``CHUNK_BYTES`` (numpy), writes the (src, dst, bytes) table into pinned memory, copies it up on its own
+stream, launches one Triton kernel (one program per chunk) and records an event: the worker thread's
+work per step is that, nothing per range in Python. The kernel uses SMs of the decode GPU while it runs
+(the copy engines are not used).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import msgspec
+import numpy as np
+
+from hybrid_transfer.errors import MappingError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 256 << 10  # bytes per kernel program (gpu_copy_paths.py's chunk)
+BLOCK = 1024  # elements per program iteration
+_SLOTS = 8  # tables in flight per copier before the oldest is waited for
+
+
+class IpcHandle(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """torch's CUDA IPC description of one storage, plus where the tensor starts inside it."""
+
+    device: int
+    handle: bytes
+    storage_bytes: int
+    storage_offset: int
+    ref_handle: bytes
+    ref_offset: int
+    event_handle: bytes
+    event_sync: bool
+    tensor_offset: int
+
+
+_decoder = msgspec.msgpack.Decoder(IpcHandle)
+
+
+def export_handles(tensors) -> list[bytes]:
+    """One encoded IpcHandle per CUDA tensor (contiguous uint8, the cache's shared tensors)."""
+    out = []
+    for t in tensors:
+        storage = t.untyped_storage()
+        device, handle, size, offset, ref_handle, ref_offset, event_handle, event_sync = storage._share_cuda_()
+        out.append(msgspec.msgpack.encode(IpcHandle(int(device), bytes(handle), int(size), int(offset),
+                                                    bytes(ref_handle), int(ref_offset), bytes(event_handle or b""),
+                                                    bool(event_sync), int(t.data_ptr() - storage.data_ptr()))))
+    return out
+
+
+class IpcMapping:
+    """One producer tensor opened in this process; ``addr`` is its first byte here."""
+
+    def __init__(self, encoded: bytes, length: int, device):
+        import torch
+
+        try:
+            h = _decoder.decode(encoded)
+        except msgspec.DecodeError as exc:
+            raise MappingError(f"undecodable CUDA IPC handle: {exc}") from exc
+        if h.tensor_offset < 0 or h.tensor_offset + length > h.storage_bytes:
+            raise MappingError(f"the CUDA IPC handle covers {h.storage_bytes} bytes, the region needs "
+                              f"{h.tensor_offset + length}")
+        try:
+            with torch.cuda.device(device):
+                self._storage = torch.UntypedStorage._new_shared_cuda(
+                    h.device, h.handle, h.storage_bytes, h.storage_offset, h.ref_handle, h.ref_offset,
+                    h.event_handle, h.event_sync)
+        except (RuntimeError, TypeError) as exc:
+            raise MappingError(f"cannot open the CUDA IPC handle: {exc}") from exc
+        self.addr = int(self._storage.data_ptr()) + h.tensor_offset
+        self.length = length
+
+    def close(self) -> None:
+        """Drop the mapping (idempotent); the caller has waited for every copy from it."""
+        self._storage = None
+
+
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    # n_chunks changes with every step: not specialized, or each new value class would compile again.
+    @triton.jit(do_not_specialize=["n_chunks"])
+    def copy_chunks(table, n_chunks, BLOCK: tl.constexpr, WIDTH: tl.constexpr):  # noqa: N803
+        pid = tl.program_id(0)
+        src = tl.load(table + pid)
+        dst = tl.load(table + n_chunks + pid)
+        count = tl.load(table + 2 * n_chunks + pid) // WIDTH
+        if WIDTH == 8:
+            s = src.to(tl.pointer_type(tl.int64))
+            d = dst.to(tl.pointer_type(tl.int64))
+        elif WIDTH == 4:
+            s = src.to(tl.pointer_type(tl.int32))
+            d = dst.to(tl.pointer_type(tl.int32))
+        elif WIDTH == 2:
+            s = src.to(tl.pointer_type(tl.int16))
+            d = dst.to(tl.pointer_type(tl.int16))
+        else:
+            s = src.to(tl.pointer_type(tl.int8))
+            d = dst.to(tl.pointer_type(tl.int8))
+        for start in range(0, count, BLOCK):
+            o = start + tl.arange(0, BLOCK)
+            m = o < count
+            tl.store(d + o, tl.load(s + o, mask=m), mask=m)
+
+    return copy_chunks
+
+
+def chunk_table(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, chunk: int = CHUNK_BYTES) -> np.ndarray:
+    """The (src, dst, bytes) rows of every chunk of at most ``chunk`` bytes, as a 3 x N int64 array."""
+    nchunks = (lengths + chunk - 1) // chunk
+    total = int(nchunks.sum())
+    idx = np.repeat(np.arange(lengths.shape[0]), nchunks)
+    first = np.cumsum(nchunks) - nchunks
+    off = (np.arange(total) - np.repeat(first, nchunks)) * chunk
+    out = np.empty((3, total), np.int64)
+    np.add(src[idx], off, out=out[0])
+    np.add(dst[idx], off, out=out[1])
+    np.minimum(chunk, lengths[idx] - off, out=out[2])
+    return out
+
+
+class RangeCopier:
+    """One consumer's gather kernel over mapped GPU memory, on its own stream; ``copy`` returns an event."""
+
+    def __init__(self, device):
+        import torch
+
+        try:
+            self._kernel = _kernel()
+        except ImportError as exc:
+            raise UnsupportedError(f"the mapped GPU path needs Triton: {exc}") from exc
+        self._torch = torch
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(device=self.device)
+        self._slots: collections.deque = collections.deque()  # (pinned, device table, event) in use, oldest first
+        self.launches = 0
+        # Worker-thread seconds of the last copy: (chunk table, upload, kernel launch and event), for the bench.
+        self.last_split = (0.0, 0.0, 0.0)
+
+    def copy(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray):
+        """Queue every range on the copier's stream in one launch; the event recorded after it."""
+        torch = self._torch
+        from hybrid_transfer.engine.mapped.host_copy import element_bytes
+
+        t0 = time.perf_counter()
+        keep = lengths > 0
+        if not keep.all():
+            dst, src, lengths = dst[keep], src[keep], lengths[keep]
+        table = chunk_table(dst, src, lengths)
+        n = int(table.shape[1])
+        width = element_bytes(dst, src, lengths) if n else 1
+        t1 = t2 = time.perf_counter()
+        event = torch.cuda.Event()
+        # After what the caller's stream queued (an engine step writing these blocks, say), never before it.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            if n:
+                pinned, table_dev = self._slot(n)
+                pinned.numpy()[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
+                table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
+                t2 = time.perf_counter()
+                self._kernel[(n,)](table_dev, n, BLOCK=BLOCK, WIDTH=width)
+                self.launches += 1
+            event.record(self._stream)
+        self.last_split = (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        if n:
+            self._slots[-1] = (*self._slots[-1][:2], event)
+        return event
+
+    def _slot(self, n: int):
+        """A pinned table and its device twin of at least ``n`` columns, not in use by a queued copy.
+
+        The oldest slot is reused once its copy has finished (or, with ``_SLOTS`` in use, after waiting for
+        it); a new one is allocated only while every slot is still busy: pinned allocations cost about half
+        a millisecond each, which the worker thread must not pay per step (measured on one H200).
+        """
+        torch = self._torch
+        pinned = table_dev = None
+        if self._slots:
+            old_pinned, old_dev, event = self._slots[0]
+            done = event is None or event.query()
+            if done or len(self._slots) >= _SLOTS:
+                self._slots.popleft()
+                if not done:
+                    event.synchronize()  # never reuse a table a queued copy may still read
+                if old_pinned.shape[0] >= 3 * n:
+                    pinned, table_dev = old_pinned, old_dev
+        if pinned is None:
+            cap = max(n, 1 << 15)
+            pinned = torch.empty(3 * cap, dtype=torch.int64, pin_memory=True)
+            table_dev = torch.empty(3 * cap, dtype=torch.int64, device=self.device)
+        self._slots.append((pinned, table_dev, None))
+        return pinned, table_dev
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
