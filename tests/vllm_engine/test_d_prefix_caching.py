@@ -33,12 +33,13 @@ from conftest import PC_FAULT_EXTRA
 
 READS = "vllm:hybrid_transfer_reads_total"
 READ_BYTES = "vllm:hybrid_transfer_read_bytes_total"
+READ_BLOCKS = "vllm:hybrid_transfer_read_blocks_total"
 HIT_READS = "vllm:hybrid_transfer_hit_reads_total"
 HIT_TOKENS = "vllm:hybrid_transfer_hit_tokens_total"
 HIT_BLOCKS = "vllm:hybrid_transfer_hit_blocks_total"
 HIT_BYTES = "vllm:hybrid_transfer_hit_bytes_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"  # vLLM's own: tokens served from the local prefix cache
-SERIES = (READS, READ_BYTES, HIT_READS, HIT_TOKENS, HIT_BLOCKS, HIT_BYTES, PREFIX_HITS)
+SERIES = (READS, READ_BYTES, READ_BLOCKS, HIT_READS, HIT_TOKENS, HIT_BLOCKS, HIT_BYTES, PREFIX_HITS)
 HELD = "vllm:hybrid_transfer_held_blocks"
 
 
@@ -140,6 +141,8 @@ def test_turn_2_hits_one_block_on_decode_and_reads_only_past_it(turns):
     assert one["decode"][READS] == 1 and one["decode"][HIT_READS] == 0
     assert two["decode"][READS] == 1 and two["decode"][HIT_READS] == 1
     assert two["decode"][HIT_TOKENS] == b and two["decode"][HIT_BLOCKS] == 1 and two["decode"][PREFIX_HITS] == b
+    # Blocks written: turn 1 its one block, turn 2 only its second (the first is the hit).
+    assert one["decode"][READ_BLOCKS] == 1 and two["decode"][READ_BLOCKS] == -(-two["n_minus_1"] // b) - 1
     # The model's K|V bytes per token of the one attention layer: 2 halves x KV heads x head_dim x bf16.
     cfg = turns.pc.model_config
     assert two["decode"][HIT_BYTES] == b * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * 2

@@ -24,10 +24,11 @@ from hybrid_transfer.engine.metrics import LATENCY_BOUNDS_S
 
 # Summed over ranks and steps. reads_refused / loads_failed: WorkerSide.counts (refused before any byte
 # moved; the scheduler's fail orders); holds_expired: producer holds whose lease ran out.
-# hit_reads / hit_tokens / hit_blocks / hit_bytes: DONE reads that started past a local prefix hit, and what
-# the hits saved (tokens, attention blocks and bytes not moved; docs/vllm.md#prefix-caching).
+# blocks_read: attention blocks DONE reads wrote (over every attention group). hit_reads / hit_tokens /
+# hit_blocks / hit_bytes: DONE reads that started past a local prefix hit, and what the hits saved (tokens,
+# attention blocks and bytes not moved; docs/vllm.md#prefix-caching).
 COUNTERS = ("reads_done", "reads_failed", "reads_aborted", "reads_refused", "loads_failed", "bytes_read",
-            "descriptors", "holds_expired", "hit_reads", "hit_tokens", "hit_blocks", "hit_bytes")
+            "descriptors", "holds_expired", "blocks_read", "hit_reads", "hit_tokens", "hit_blocks", "hit_bytes")
 SAMPLES = ("post_s", "transfer_s")  # one value per DONE read, seconds
 CAUSES = "failure_causes"  # FailureCause value -> FAILED reads, summed
 LATEST = ("held_blocks", "held_requests")  # producer TP rank (str) -> its value now; a later report replaces it
@@ -51,6 +52,7 @@ class Hit:
     tokens: int
     blocks: int  # attention blocks, over every attention group
     bytes: int
+    blocks_read: int = 0  # attention blocks the read wrote, over every attention group
 
 
 @dataclass
@@ -127,6 +129,7 @@ class ReadTally:
         time as the consumer measured them."""
         d = self._data
         if result.state is ReadState.DONE:
+            d["blocks_read"] += hit.blocks_read if hit is not None else 0
             if hit is not None and hit.tokens:
                 d["hit_reads"] += 1
                 d["hit_tokens"] += hit.tokens
@@ -182,6 +185,7 @@ _COUNTER_SERIES = (
     ("descriptors", "vllm:hybrid_transfer_descriptors", "NIXL descriptors of DONE reads."),
     ("holds_expired", "vllm:hybrid_transfer_expired_holds", "Producer holds whose lease ran out before decode "
      "reported (their blocks went back to vLLM)."),
+    ("blocks_read", "vllm:hybrid_transfer_read_blocks", "Attention blocks DONE reads wrote (per attention group)."),
     ("hit_reads", "vllm:hybrid_transfer_hit_reads", "DONE reads that started past a local prefix hit."),
     ("hit_tokens", "vllm:hybrid_transfer_hit_tokens", "Prompt tokens local prefix hits held, so no read moved them."),
     ("hit_blocks", "vllm:hybrid_transfer_hit_blocks", "Attention blocks local prefix hits held (per attention "

@@ -202,7 +202,7 @@ class WorkerSide:
                 results = []
             for result in results:
                 entry = self._reads.pop(result.request_id, None)
-                self.tally.on_read(result, self._hit_of(entry[1]) if entry is not None else None)
+                self.tally.on_read(result, self._hit_of(entry[1], result) if entry is not None else None)
                 if entry is None:
                     continue
                 rid, order = entry
@@ -252,11 +252,15 @@ class WorkerSide:
                     view[partial, :, within:].zero_()
                 view[unmoved: block * ratio + ratio].zero_()
 
-    def _hit_of(self, order: ReadOrder) -> Hit:
-        """What the order's local prefix hit saved: its tokens, attention blocks and bytes on this rank."""
+    def _hit_of(self, order: ReadOrder, result) -> Hit:
+        """What the order's local prefix hit saved (its tokens, attention blocks and bytes on this rank), and the
+        attention blocks the read wrote (the result's blocks: the hit's are not among them)."""
         g = self.engine.cache.geometry
-        blocks = order.first_token // g.block_size * sum(self.engine.group_map.attention_mask)
-        return Hit(order.first_token, blocks, order.first_token * g.kv_bytes_per_token * len(g.model.attention_layers))
+        mask = self.engine.group_map.attention_mask
+        blocks = order.first_token // g.block_size * sum(mask)
+        written = sum(len(ids) for ids, attn in zip(result.local_block_ids, mask, strict=True) if attn)
+        return Hit(order.first_token, blocks, order.first_token * g.kv_bytes_per_token * g.num_attention_layers,
+                   written)
 
     def _zero_attention_blocks(self, order: ReadOrder) -> None:
         """A failed read may have filled part of its blocks, and vLLM skipped zeroing them: zero them whole.
