@@ -83,7 +83,7 @@ from hybrid_transfer.layout.fingerprint import fingerprint_of
 from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.types import ReadPlan
-from hybrid_transfer.plan.validate import ExpectedBytes, block_id_arrays, validate_block_ids
+from hybrid_transfer.plan.validate import ExpectedBytes, block_id_arrays, check_first_token, validate_block_ids
 from hybrid_transfer.planner_input import describe_cache
 
 log = logging.getLogger(__name__)
@@ -316,10 +316,7 @@ class Consumer(ProducerNotes):
         if ticket.state_position != ticket.num_tokens:
             raise TicketError(f"state position {ticket.state_position} must equal num_tokens {ticket.num_tokens}",
                               request_id=rid, state_position=ticket.state_position, num_tokens=ticket.num_tokens)
-        if first_token > ticket.num_tokens or first_token % self.geometry.block_size:
-            raise PlanError(f"first_token={first_token} must be a multiple of the block size "
-                            f"{self.geometry.block_size} within the request's {ticket.num_tokens} tokens",
-                            request_id=rid, first_token=first_token, num_tokens=ticket.num_tokens)
+        check_first_token(first_token, ticket.num_tokens, self.geometry.block_size)  # before any connect
         self._check_addresses(ticket)
         if rid in self._requests:
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)

@@ -44,6 +44,7 @@ from hybrid_transfer.plan.types import Notification, PackSourcePlan, PlanMode, R
 from hybrid_transfer.plan.validate import (
     RegionTable,
     block_id_arrays,
+    check_first_token,
     validate_block_ids,
     validate_plan,
 )
@@ -295,18 +296,10 @@ class Planner:
         """A prefix hit's end, checked: on a local block boundary and within the request; naive mode moves whole
         requests only. (An interior that is not token-major has one kernel block size on both sides,
         ``_check_opaque_interior``, so a local block boundary is a kernel page boundary of both.)"""
-        first = _token_count(first_token, "first_token")
-        if not first:
-            return 0
-        reason = None
-        if first > num_tokens:
-            reason = f"is past the request's {num_tokens} tokens"
-        elif first % self.local.block_size:
-            reason = f"is not on a local block boundary (block size {self.local.block_size})"
-        elif mode is PlanMode.NAIVE:
-            reason = "cannot start a naive plan, which moves whole requests"
-        if reason is not None:
-            raise PlanError(f"first_token={first} {reason}", first_token=first, num_tokens=num_tokens)
+        first = check_first_token(_token_count(first_token, "first_token"), num_tokens, self.local.block_size)
+        if first and mode is PlanMode.NAIVE:
+            raise PlanError(f"first_token={first} cannot start a naive plan, which moves whole requests",
+                            first_token=first, num_tokens=num_tokens)
         return first
 
     def _read_plan(self, sources: Sequence[SourcePlan | PackSourcePlan], num_tokens: int, mode: PlanMode,

@@ -47,6 +47,23 @@ class ExpectedBytes:
         return (num_tokens - first_token) * self.kv_bytes_per_token + (self.state_bytes if num_tokens > 0 else 0)
 
 
+def check_first_token(first_token: int, num_tokens: int, block_size: int) -> int:
+    """A local prefix hit's end (docs/planner.md#prefix-hits): within the request and on a block boundary of
+    the side that holds the hit, so the hit's blocks are whole and nothing of them is written.
+
+    Raises:
+        PlanError: naming ``first_token`` and why.
+    """
+    reason = None
+    if first_token > num_tokens:
+        reason = f"is past the request's {num_tokens} tokens"
+    elif first_token % block_size:
+        reason = f"is not on a local block boundary (block size {block_size})"
+    if reason is not None:
+        raise PlanError(f"first_token={first_token} {reason}", first_token=first_token, num_tokens=num_tokens)
+    return first_token
+
+
 def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: int) -> list[np.ndarray]:
     """Per-group int64 arrays; rejects a wrong group count and non-integer ids."""
     if len(block_ids) != num_groups:

@@ -49,6 +49,14 @@ def tiny() -> dict:
 
 
 @pytest.fixture(scope="session")
+def secret_file(tmp_path_factory) -> str:
+    """A shared-secret file for engines that authenticate (the mapped path hands out nothing without one)."""
+    path = tmp_path_factory.mktemp("secret") / "secret"
+    path.write_bytes(b"engine-tests-secret-0123456789abcdef")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def cluster():
     yield _SHARED
     _SHARED.close()

@@ -20,7 +20,6 @@ from hybrid_transfer.engine import EngineConfig
 from hybrid_transfer.layout import CacheOptions, KVLayout
 from hybrid_transfer.verify import make_requests
 
-SECRET = b"mapped-path-secret-0123456789abcdef"
 NUM_BLOCKS = 48
 TOKEN_COUNTS = [37, 64, 1, 0, 100]
 PAIRS = {  # (prefill TP, decode TP, producer options, consumer options): fan-out, fan-in, block sizes apart
@@ -29,13 +28,6 @@ PAIRS = {  # (prefill TP, decode TP, producer options, consumer options): fan-ou
     "4->2": (4, 2, CacheOptions(block_size=32, kernel_block_size=16), None),
 }
 LAYOUTS = {"interleaved": None, "split": KVLayout.SPLIT}
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mapped") / "secret"
-    path.write_bytes(SECRET)
-    return str(path)
 
 
 def _with_layout(options, layout):

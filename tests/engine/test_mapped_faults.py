@@ -32,20 +32,12 @@ from mapped_ops import blocks_digest, producer_abort, transports
 from hybrid_transfer.engine import EngineConfig
 from hybrid_transfer.verify import RequestLayout
 
-SECRET = b"mapped-faults-secret-0123456789abc"
 WAIT_S = 30.0
 SPEC = RankSpec(TINY, 1, 0, 16, shared=True)
 MID = RequestLayout(((0, 1), (2,), (3,), (4,)), 20)
 AFTER = RequestLayout(((5, 6), (7,), (8,), (9,)), 30)
 LOCAL_MID, LOCAL_AFTER = ((10, 11), (12,), (13,), (14,)), ((0, 1, 2), (3,), (4,), (5,))
 TRANSPORTS = ("nixl", "mapped")
-
-
-@pytest.fixture(scope="module")
-def secret_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("mapped-faults") / "secret"
-    path.write_bytes(SECRET)
-    return str(path)
 
 
 def _configs(secret_file, transport):

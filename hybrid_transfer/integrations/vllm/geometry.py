@@ -26,7 +26,8 @@ from hybrid_transfer.layout.engine_spec import (
     geometry_from_engine_spec,
 )
 from hybrid_transfer.layout.geometry import TOKEN_MAJOR, ConvLayout, KVLayout, check_kv_interior
-from hybrid_transfer.layout.model import DType, ModelSpec, model_from_config
+from hybrid_transfer.layout.model import DType, LayerKind, ModelSpec, model_from_config
+from hybrid_transfer.layout.tensor_map import build_tensor_map
 
 REQUIRED_LAYOUT = "LBHNC"  # vLLM's name for [block][head][token][K|V] pages (alias HND)
 # Backends whose kernels address an LBHNC head chunk token by token ([token][K|V], through its strides), so a
@@ -161,8 +162,8 @@ def wrap_engine_cache(vllm_config, kv_cache_config: KVCacheConfig, kv_caches: di
                                f"{REQUIRED_LAYOUT!r} (an attention backend that accepts it)")
     model = model_of(vllm_config)
     views = {layer_index(n, model.num_layers): view for n, view in kv_caches.items()}
-    draft = draft_layers_of(kv_cache_config)
-    attention = {*model.attention_layers, *range(model.num_layers, model.num_layers + draft)}
+    # The cached attention layers, MTP's draft layers after the model's (layout/tensor_map.py says which).
+    attention = set(build_tensor_map(model, draft_layers_of(kv_cache_config)).layers_of(LayerKind.ATTENTION))
     attention_names = [n for n in kv_caches if layer_index(n, model.num_layers) in attention]
     spec = engine_rank_spec(kv_cache_config, views[model.attention_layers[0]],
                             kv_interior_of(vllm_config, attention_names), num_layers=model.num_layers)

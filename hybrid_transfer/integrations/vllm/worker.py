@@ -216,7 +216,7 @@ class WorkerSide:
                 elif result.state is ReadState.FAILED:
                     log.warning("hybrid-transfer: read of %s failed (%s): vLLM applies kv_load_failure_policy", rid,
                                 result.error)
-                    self._guarded("zero", rid, self._zero_attention_blocks, order)
+                    self._guarded("zero", rid, self._zero_attention_blocks, result.local_block_ids)
                     self._failed_recving.add(rid)
         self._log.flush()
         recving, failed = self._finished_recving, self._failed_recving
@@ -262,20 +262,19 @@ class WorkerSide:
         return Hit(order.first_token, blocks, order.first_token * g.kv_bytes_per_token * g.num_attention_layers,
                    written)
 
-    def _zero_attention_blocks(self, order: ReadOrder) -> None:
+    def _zero_attention_blocks(self, written: tuple[tuple[int, ...], ...]) -> None:
         """A failed read may have filled part of its blocks, and vLLM skipped zeroing them: zero them whole.
 
         Safe here: a failed request is reported only once no NIXL handle can write its blocks.
-        vLLM's recompute then rewrites the prompt's tokens over zeros, not over stale bytes. A prefix
-        hit's blocks are not the read's (other requests may share them): never touched.
+        vLLM's recompute then rewrites the prompt's tokens over zeros, not over stale bytes. ``written``: the
+        result's blocks, which leave out a prefix hit's (other requests may share them): never touched.
         """
         g = self.engine.cache.geometry
         ratio = g.kernel_ratio
-        hit_blocks = order.first_token // g.block_size
         for group_index, is_attention in enumerate(self.engine.group_map.attention_mask):
             if not is_attention:
                 continue
-            for block in order.local_block_ids[group_index][hit_blocks:]:
+            for block in written[group_index]:
                 for layer in g.tensor_map.groups[group_index].layers:
                     self.engine.attention_views[layer][block * ratio: (block + 1) * ratio].zero_()
 
