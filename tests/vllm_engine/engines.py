@@ -88,7 +88,11 @@ class EngineServer:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
                "--enforce-eager", "--max-model-len", "1024", "--seed", "0",
-               "--max-num-seqs", "8", "--return-tokens-as-token-ids", *(args or [])]
+               "--max-num-seqs", "8", "--return-tokens-as-token-ids",
+               # A step holds every admitted prompt whole (8 x the model length): vLLM's CPU server defaults to
+               # 2,048, and a prompt then chunked at wherever the step's budget ran out computes its state in
+               # other pieces than the parity reference does (seen once: N-1 = 588, logprobs off by 0.004).
+               "--max-num-batched-tokens", "8192", *(args or [])]
         if not prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         if kv is not None:
