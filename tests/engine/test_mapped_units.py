@@ -5,6 +5,7 @@ The end-to-end tests (real processes, real shared memory) are in test_mapped.py 
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import time
@@ -133,6 +134,30 @@ def test_readv_takes_more_ranges_than_one_call_and_refuses_an_unmapped_source():
     assert np.array_equal(dst, src)
     with pytest.raises(MappingError, match="process_vm_readv moved"):
         host_copy.copy_ranges(np.asarray([dst.ctypes.data]), np.asarray([8]), np.asarray([8]), method="readv")
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 700), min_size=1, max_size=40), st.integers(1, 300))
+def test_readv_cuts_long_ranges_and_big_calls_below_the_kernels_per_call_limit(sizes, call_bytes):
+    # Linux moves at most 2 GiB - 4 KiB per process_vm_readv and returns a short count past it (seen on a
+    # 3.5 GB step): with CALL_BYTES shrunk, ranges longer than it and calls summing past it still arrive whole.
+    lengths = np.asarray(sizes, np.int64)
+    src_off = np.cumsum(lengths + 3) - lengths
+    dst_off = np.cumsum(lengths) - lengths
+    src = np.random.default_rng(len(sizes)).integers(0, 256, int(src_off[-1] + lengths[-1]), dtype=np.uint8)
+    dst = np.zeros(int(lengths.sum()), np.uint8)
+    asked, readv = [], host_copy._READV  # noqa: SLF001 - the bytes each system call is asked for
+
+    def counting(pid, local, k, remote, k2, flags):
+        asked.append(int(np.frombuffer((ctypes.c_int64 * (2 * k)).from_address(local), np.int64)[1::2].sum()))
+        return readv(pid, local, k, remote, k2, flags)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(host_copy, "CALL_BYTES", call_bytes)
+        mp.setattr(host_copy, "_READV", counting)
+        moved = host_copy.copy_ranges(dst.ctypes.data + dst_off, src.ctypes.data + src_off, lengths, method="readv")
+    assert moved == int(lengths.sum()) and max(asked) <= call_bytes and sum(asked) == moved
+    assert np.array_equal(dst, np.concatenate([src[o:o + n] for o, n in zip(src_off, lengths, strict=True)]))
 
 
 def test_a_mapping_refuses_ranges_outside_its_regions_and_every_post_once_invalid():

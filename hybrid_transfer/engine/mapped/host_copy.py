@@ -2,7 +2,8 @@
 
 Linux: ``process_vm_readv`` on this very process (no ptrace permission is needed to read oneself) takes
 the step's ranges as two iovec arrays, built with numpy, and the kernel copies them, source stream into
-destination stream, in one system call per IOV_MAX (1,024) ranges: one copy, no temporary. Measured on
+destination stream, in one system call per IOV_MAX (1,024) ranges or per CALL_BYTES (1 GiB: Linux moves at
+most 2 GiB less a page per call and returns a short count past that): one copy, no temporary. Measured on
 the 2-core CI host: see docs/benchmarks.md#issue-28. A short count (a page not mapped) raises.
 
 Elsewhere (or when the call is refused), numpy rows: one numpy array aliases the whole address span of the ranges (zero-copy, the array interface; no byte
@@ -27,6 +28,7 @@ from hybrid_transfer.errors import MappingError
 
 MAX_CHUNK_BYTES = 64 << 20  # the gathered source rows of one numpy call, at most (a temporary)
 IOV_MAX = 1024  # iovecs one process_vm_readv takes (Linux's UIO_MAXIOV)
+CALL_BYTES = 1 << 30  # bytes one process_vm_readv is asked for, at most (Linux's MAX_RW_COUNT is 2 GiB - 4 KiB)
 
 
 def _vm_readv():
@@ -69,18 +71,20 @@ def copy_ranges(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, *, method
 
 
 def _copy_readv(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> int:
+    call_bytes = CALL_BYTES
     if _READV is None:
         raise MappingError("process_vm_readv is not available here", operation="mapped copy")
+    dst, src, lengths = _split_long(dst.astype(np.int64, copy=False), src.astype(np.int64, copy=False),
+                                    lengths.astype(np.int64, copy=False), call_bytes)
     n = int(lengths.shape[0])
-    lengths = lengths.astype(np.int64, copy=False)
     local = np.empty((n, 2), np.int64)  # struct iovec {void *base; size_t len} on LP64
     remote = np.empty((n, 2), np.int64)
     local[:, 0], local[:, 1] = dst, lengths
     remote[:, 0], remote[:, 1] = src, lengths
     pid, moved = os.getpid(), 0
-    for first in range(0, n, IOV_MAX):
-        k = min(IOV_MAX, n - first)
-        want = int(lengths[first:first + k].sum())
+    for first, last in _calls(lengths, call_bytes):
+        k = last - first
+        want = int(lengths[first:last].sum())
         if want == 0:
             continue
         got = _READV(pid, local[first:].ctypes.data, k, remote[first:].ctypes.data, k, 0)
@@ -90,6 +94,30 @@ def _copy_readv(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray) -> int:
                                operation="mapped copy")
         moved += got
     return moved
+
+
+def _split_long(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, call_bytes: int):
+    """Ranges longer than ``call_bytes`` cut into pieces of at most that many bytes (numpy, no loop per range)."""
+    pieces = np.maximum(1, -(-lengths // call_bytes))
+    if int(pieces.max(initial=1)) == 1:
+        return dst, src, lengths
+    owner = np.repeat(np.arange(lengths.shape[0]), pieces)
+    first_piece = np.cumsum(pieces) - pieces
+    offset = (np.arange(owner.shape[0]) - first_piece[owner]) * call_bytes
+    return dst[owner] + offset, src[owner] + offset, np.minimum(lengths[owner] - offset, call_bytes)
+
+
+def _calls(lengths: np.ndarray, call_bytes: int) -> list[tuple[int, int]]:
+    """[first, last) of each system call: at most IOV_MAX ranges and ``call_bytes`` bytes (ranges are <= that)."""
+    bounds, first, n = [], 0, int(lengths.shape[0])
+    ends = np.cumsum(lengths)
+    while first < n:
+        base = int(ends[first - 1]) if first else 0
+        last = min(n, first + IOV_MAX, int(np.searchsorted(ends, base + call_bytes, side="right")))
+        last = max(last, first + 1)
+        bounds.append((first, last))
+        first = last
+    return bounds
 
 
 def _copy_rows(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, max_chunk_bytes: int) -> int:
