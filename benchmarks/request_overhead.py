@@ -167,6 +167,8 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
         stats = pstats.Stats(profiler, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(45)
+        if os.environ.get("HT_OVERHEAD_PROFILE_OUT"):  # the whole profile, for pstats
+            stats.dump_stats(f"{os.environ['HT_OVERHEAD_PROFILE_OUT']}.{batching}")
     conn.send(rows)
     consumer.close()
 
@@ -199,6 +201,7 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
     consumer = Consumer(cache, EngineConfig(read_batching=batching,
                                             read_transport=os.environ.get(TRANSPORT_ENV, "nixl")))
     timed = time_nixl_calls(consumer)  # NIXL's data-path calls on this thread, timed into timed.spent
+    copy_timer = _time_host_copies()  # the mapped path's copy on a CPU host runs inside the post: timed apart
     for address in conn.recv():  # rank 0 of each producer engine
         consumer.connect(address)
     profiler = cProfile.Profile() if profile else None
@@ -213,7 +216,7 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
             poison(cache)
             if cache.tensors[0].is_cuda:  # the poison lands before the READs (UCX's copies do not wait for it)
                 torch.cuda.synchronize(cache.tensors[0].device)
-            timed.spent = 0.0
+            timed.spent = copy_timer.spent = 0.0
             posted0 = consumer.stats.reads_posted
             if profiler is not None and i:
                 profiler.enable()
@@ -239,8 +242,8 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
                 raise RuntimeError("the cache differs from the expected bytes, but check_destination_many passed")
             if i:  # the first step of each layout warms up
                 samples.append({"start_ms": 1e3 * start_s / batch, "worker_ms": 1e3 * worker_s / batch,
-                                "nixl_ms": 1e3 * timed.spent / batch,
-                                "python_ms": 1e3 * (worker_s - timed.spent) / batch,
+                                "nixl_ms": 1e3 * timed.spent / batch, "copy_ms": 1e3 * copy_timer.spent / batch,
+                                "python_ms": 1e3 * (worker_s - timed.spent - copy_timer.spent) / batch,
                                 "reads_per_step": consumer.stats.reads_posted - posted0, "polls": polls})
             conn.send("next")
         row = {k: statistics.median(s[k] for s in samples) for k in samples[0]}
@@ -252,8 +255,32 @@ def _consumer_batch(conn, preset, decode_tp, num_blocks, tokens, reps, device, b
         stats = pstats.Stats(profiler, stream=sys.stderr)
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(45)
+        if os.environ.get("HT_OVERHEAD_PROFILE_OUT"):  # the whole profile, for pstats
+            stats.dump_stats(f"{os.environ['HT_OVERHEAD_PROFILE_OUT']}.{batching}")
     conn.send(rows)
     consumer.close()
+
+
+class _CopyTimer:
+    spent = 0.0
+
+
+def _time_host_copies() -> _CopyTimer:
+    """Wrap the mapped path's host copy (engine/mapped/host_copy.py, called inside the post on a CPU host) so
+    its wall time counts apart: on a GPU the copy is a kernel launch, here it is the copy itself."""
+    from hybrid_transfer.engine.mapped import host_copy
+
+    timer, copy = _CopyTimer(), host_copy.copy_ranges
+
+    def timed(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return copy(*args, **kwargs)
+        finally:
+            timer.spent += time.perf_counter() - t0
+
+    host_copy.copy_ranges = timed
+    return timer
 
 
 def _shares(batch: int, engines: int) -> list[int]:
@@ -398,10 +425,19 @@ def main() -> None:
                              "must fit in this; past it the producers get fewer spare blocks (default 120)")
     parser.add_argument("--read-transport", choices=["nixl", "auto", "mapped"], default="nixl",
                         help="with --batch: the decode rank's EngineConfig.read_transport; auto or mapped give every "
-                             "rank a fresh shared secret (the mapped path needs one); the mapped copy is then "
-                             "counted in the Python share, not NIXL's (docs/tuning.md#mapped-reads)")
+                             "rank a fresh shared secret (the mapped path needs one); on a GPU the mapped copy "
+                             "(a kernel launch) is then counted in the Python share, not NIXL's; on a CPU host the "
+                             "copy runs inside the post and is its own column, copy (docs/tuning.md#mapped-reads)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per request instead of the case's (fewer bytes, the same kinds of "
+                             "descriptors: quicker runs on a CPU host)")
     parser.add_argument("--profile", action="store_true", help="print the consumer's cProfile (by tottime, then cumulative) on stderr")
     args = parser.parse_args()
+    if args.tokens is not None:
+        if args.tokens < 2:
+            parser.error("--tokens must be at least 2")
+        for c in CASES.values():
+            c["tokens"] = args.tokens
     if args.batch < 1:
         parser.error("--batch must be at least 1")
     if not 1 <= args.engines <= max(args.batch, 1) or (args.engines > 1 and args.batch == 1):
@@ -426,11 +462,11 @@ def main() -> None:
             print(json.dumps(rows, indent=1))
             return
         print(f"{'case':>5} {'dev':>4} {'batching':>11} {'eng':>3} {'batch':>5} {'frag':>4} {'descs':>5} {'READs/step':>10} "
-              f"{'worker ms/req':>13} {'nixl':>6} {'python':>6} {'start_reads ms/req':>18} {'polls':>5}")
+              f"{'worker ms/req':>13} {'nixl':>6} {'copy':>6} {'python':>6} {'start_reads ms/req':>18} {'polls':>5}")
         for r in rows:
             print(f"{r['case']:>5} {r['device']:>4} {r['batching']:>11} {r['engines']:>3} {r['batch']:>5} "
                   f"{r['fragmentation']:>4.1f} {r['descriptors']:>5.1f} {r['reads_per_step']:>10.0f} {r['worker_ms']:>13.3f} "
-                  f"{r['nixl_ms']:>6.3f} {r['python_ms']:>6.3f} {r['start_ms']:>18.3f} {r['polls']:>5.0f}")
+                  f"{r['nixl_ms']:>6.3f} {r['copy_ms']:>6.3f} {r['python_ms']:>6.3f} {r['start_ms']:>18.3f} {r['polls']:>5.0f}")
         print(f"bytes verified: every step of every row (medians of --reps {args.reps} steps after one warm-up)")
         return
     rows = [r for case in (CASES if args.case == "all" else [args.case]) for r in run(case, args.reps, args.device, args.profile)]
