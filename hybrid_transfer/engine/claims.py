@@ -59,20 +59,33 @@ def digest_of(ticket) -> bytes:
     return digest
 
 
+_KEYS: OrderedDict[tuple[bytes, str, int], bytes] = OrderedDict()  # (secret, engine id, incarnation) -> key
+_MAX_KEYS = 256  # producer engine incarnations whose key is kept (a consumer links to a handful)
+
+
 def ticket_key(secret: bytes | None, engine_id: str, incarnation: int) -> bytes:
-    """The key of one producer engine incarnation's ticket MACs (b"" without a secret)."""
+    """The key of one producer engine incarnation's ticket MACs (b"" without a secret).
+
+    Kept for the last ``_MAX_KEYS`` incarnations: a consumer checks every ticket with its engine's key, and
+    deriving it is a second HMAC per request."""
     if secret is None:
         return b""
-    return hmac.new(secret, b"hybrid-transfer ticket key\0" + _ENCODER.encode((engine_id, incarnation)),
-                    hashlib.sha256).digest()
+    entry = (secret, engine_id, incarnation)
+    key = _KEYS.get(entry)
+    if key is None:
+        key = hmac.digest(secret, b"hybrid-transfer ticket key\0" + _ENCODER.encode((engine_id, incarnation)), "sha256")
+        _KEYS[entry] = key
+        if len(_KEYS) > _MAX_KEYS:
+            _KEYS.popitem(last=False)
+    return key
 
 
-def ticket_mac(ticket, secret: bytes | None) -> bytes:
-    """What ``ticket.mac`` must be under ``secret`` (the bare digest without one)."""
-    digest = digest_of(ticket)
+def ticket_mac(ticket, secret: bytes | None, digest: bytes | None = None) -> bytes:
+    """What ``ticket.mac`` must be under ``secret`` (the bare digest without one); ``digest``: digest_of(ticket)."""
+    digest = digest_of(ticket) if digest is None else digest
     if secret is None:
         return digest
-    return hmac.new(ticket_key(secret, ticket.engine_id, ticket.incarnation), digest, hashlib.sha256).digest()
+    return hmac.digest(ticket_key(secret, ticket.engine_id, ticket.incarnation), digest, "sha256")
 
 
 def sign(ticket, secret: bytes | None):
@@ -80,11 +93,11 @@ def sign(ticket, secret: bytes | None):
     return msgspec.structs.replace(ticket, mac=ticket_mac(ticket, secret))
 
 
-def mac_ok(ticket, secret: bytes | None) -> bool:
+def mac_ok(ticket, secret: bytes | None, digest: bytes | None = None) -> bool:
     """The ticket's MAC matches its fields (an unsigned ticket passes only without a secret)."""
     if not ticket.mac:
         return secret is None
-    return hmac.compare_digest(ticket.mac, ticket_mac(ticket, secret))
+    return hmac.compare_digest(ticket.mac, ticket_mac(ticket, secret, digest))
 
 
 class EndedTickets:

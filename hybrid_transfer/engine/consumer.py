@@ -323,13 +323,14 @@ class Consumer(ProducerNotes):
         ids = block_id_arrays("local", local_block_ids_per_group, len(self._kinds))
         # The MAC before any connect (docs/security.md#allowed-producers): an edited ticket never makes this
         # rank handshake with the addresses it names, so it cannot poison the link of the engine it names.
-        signed = claims.mac_ok(ticket, self._secret)
+        digest = claims.digest_of(ticket)
+        signed = claims.mac_ok(ticket, self._secret, digest)
         known = self._peers.find(ticket.engine_key) if signed else None
         ready = known is not None and known.state is LinkState.READY and known.addresses == ticket.addresses
         if not ready:  # a ready link's planner validates both sides: each id is checked once
             validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
                                self.cache.num_blocks, exact=False)
-        return read_batch.Checked(ticket, ids, signed, known, ready, first_token)
+        return read_batch.Checked(ticket, ids, signed, known, ready, first_token, digest)
 
     def _register(self, c: read_batch.Checked, plan: ReadPlan | Exception | None) -> tuple | None:
         """Own the request's blocks and track it; (request, plan) when it can be posted now.
@@ -342,8 +343,9 @@ class Consumer(ProducerNotes):
         hit_blocks = c.first_token // self.geometry.block_size
         written = tuple(ids[hit_blocks:] if kind is LayerKind.ATTENTION else ids
                         for kind, ids in zip(self._kinds, local, strict=True)) if hit_blocks else local
-        busy = [b for group in written for b in group if b in self._owners]
-        if busy:
+        owners = self._owners
+        if not all(owners.keys().isdisjoint(group) for group in written):
+            busy = [b for group in written for b in group if b in owners]
             raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
         now = self._clock()
         link = self._link_for(ticket) if c.signed else EngineLink(ticket.engine_key, ticket.addresses, now,
@@ -351,12 +353,11 @@ class Consumer(ProducerNotes):
         if isinstance(plan, Exception):
             raise plan  # PlanError: nothing registered yet
         req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
-                          changed_at=now, digest=claims.digest_of(ticket),  # the MAC check's, cached
+                          changed_at=now, digest=c.digest or claims.digest_of(ticket),  # the MAC check's
                           first_token=c.first_token, written_block_ids=written)
         self._requests[rid] = req
         for group in written:
-            for b in group:
-                self._owners[b] = rid
+            owners.update(dict.fromkeys(group, rid))
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
         elif not c.signed:  # edited, or not signed under our secret: read nothing, connect nowhere
@@ -731,10 +732,15 @@ class Consumer(ProducerNotes):
             if req.state not in TERMINAL:
                 continue
             del self._requests[req.request_id]
+            owners, rid = self._owners, req.request_id
             for group in req.written_block_ids:
-                for b in group:
-                    if self._owners.get(b) == req.request_id:
-                        del self._owners[b]
+                if all(owners.get(b) == rid for b in group):  # the usual case: every block still this request's
+                    for b in group:
+                        del owners[b]
+                else:
+                    for b in group:
+                        if owners.get(b) == rid:
+                            del owners[b]
             results.append(ReadResult(req.request_id, req.state, req.written_block_ids, req.num_bytes,
                                       req.num_descriptors, req.started_at, req.changed_at, req.error, req.cause,
                                       **self._pack.result_fields(req.request_id)))

@@ -74,6 +74,8 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise PlanError(f"{side} group {group}: block ids must be a flat list of integers, got {ids!r}",
                             side=side, group=group, block_ids=ids)
+        if type(ids) in (list, tuple) and _plain_int64s(ids):
+            continue  # the common case, checked in C: every id an exact int within int64
         for b in ids:
             if type(b) is not int and not is_integer(b):  # the exact-type test keeps long lists cheap
                 raise PlanError(f"{side} group {group}: block ids must be integers (not bools), got {shown(b)} in "
@@ -81,6 +83,11 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
             if int(b).bit_length() > 63:  # numpy cannot hold it, and Python cannot print it past 4,300 digits
                 raise PlanError(f"{side} group {group}: block id {shown(int(b))} is out of range", side=side,
                                 group=group, block_ids=ids)
+
+
+def _plain_int64s(ids: list | tuple) -> bool:
+    """Every element an exact ``int`` (so no bool) inside int64: set, min and max run in C."""
+    return not ids or (set(map(type, ids)) == {int} and min(ids) > -(1 << 63) and max(ids) < (1 << 63))
 
 
 # ---- tickets (issue 19): what a client's request may make a consumer do is bounded here -----------------

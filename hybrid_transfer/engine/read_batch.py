@@ -53,6 +53,7 @@ class Checked(NamedTuple):
     known: Any  # the EngineLink of the ticket's engine, or None
     ready: bool  # ``known`` is ready and at the ticket's addresses: plan now
     first_token: int = 0
+    digest: bytes = b""  # claims.digest_of(ticket), computed once for the MAC check and the claim
 
 
 @dataclass(frozen=True)

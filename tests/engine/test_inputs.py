@@ -61,6 +61,17 @@ def test_hold_refuses_block_ids_that_are_not_integers(producer, block_ids):
     assert producer.num_held_blocks == 0 and not producer.is_held("r")
 
 
+@pytest.mark.parametrize("ids", [[1, 2, True], (3, False), [1 << 63], [-(1 << 63)], [5, 1 << 200], [2, np.int64(3), 1.0]])
+def test_the_fast_path_for_plain_int_lists_refuses_what_the_loop_refuses(ids):
+    # block_id_lists checks a list of exact ints in C (set, min, max); a bool, an id beyond int64 or another
+    # type among them must still reach the per-id loop and be refused there, named.
+    from hybrid_transfer.engine import inputs
+
+    with pytest.raises(PlanError, match="integers|out of range"):
+        inputs.block_id_lists("local", [ids])
+    inputs.block_id_lists("local", [[0, 7, (1 << 63) - 1, -(1 << 63) + 1], (), [np.int64(3), 4]])
+
+
 def test_numpy_integers_are_integers(producer):
     ticket = producer.hold(
         "np", [np.array([1], dtype=np.int32), [np.int64(2)], [3], [4]], np.int64(4), nonce=np.uint64(7))
