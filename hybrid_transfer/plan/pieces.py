@@ -134,6 +134,10 @@ class Recipe:
     # Per piece, how many tensors (0 .. n-1) hold a layer of its group; None when every group is on every tensor.
     # A padded group (docs/layout.md#padded-groups) has no layer, and nothing to move, on the tensors past it.
     tensors: np.ndarray | None = None
+    # Both sides as [2, piece] arrays over one request's local and remote ids laid end to end (the planner's
+    # batch_rows.stacked): one gather, multiply and add for the two sides.
+    sel2: np.ndarray | None = None
+    const2: np.ndarray | None = None
 
     def with_tail(self, head_bytes: int) -> Recipe:
         """This recipe for another token end with the same segments (``last_cut``): only the last segment's
@@ -144,7 +148,7 @@ class Recipe:
         length[self.tail] = head_bytes
         # The constructor, not dataclasses.replace, which walks the fields: 1.3 us against 2.3, every request.
         return Recipe(self.local_sel, self.local_const, self.remote_sel, self.remote_const, length, self.key,
-                      self.tail, self.tensors)
+                      self.tail, self.tensors, self.sel2, self.const2)
 
     def pieces(self, local_ids: np.ndarray, remote_ids: np.ndarray, local_page: int, remote_page: int) -> Pieces:
         """This shape's pieces for one request's flat block-id arrays."""

@@ -9,13 +9,17 @@ pieces of one shared tensor, and a broadcast over the tensors' base addresses.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
 from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
 from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
-from hybrid_transfer.plan.batch_checks import check_ids, check_plans
+from hybrid_transfer.plan.batch_checks import check_plans
+from hybrid_transfer.plan.batch_rows import Broadcast, IdCheck, Merged, Spreader, merge_rows, rows_fine, \
+    segment_bounds, stacked
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
 from hybrid_transfer.plan.pack import PackRecipe, pack_recipe, structure_recipe
@@ -136,6 +140,16 @@ class Planner:
         self._kv_bytes_per_token = self.local.kv_bytes_per_token * self.local.num_attention_layers
         self._state_bytes = self.local.state_bytes_per_request
         self._kv_stride = self.local.kv_token_stride  # a geometry property, computed on every read
+        limits = (_row_limit([local], disjoint=True),
+                  _row_limit([self.remote_descs[t.source_rank] for t in self.templates]))
+        self._broadcast = Broadcast(np.stack((self._local_base, self._remote_base[:, 0]))[:, :, None],
+                                    self._remote_base,
+                                    np.array([[self._local_page], [self._remote_page]], dtype=np.int64),
+                                    len(self.templates), self._group_tensors is not None,
+                                    None if None in limits else limits)  # type: ignore[arg-type]
+        self._spreader = Spreader(self._broadcast)
+        self._id_check = IdCheck(self.local_desc.num_blocks, self._remote_num_blocks)
+        self._counts: dict[tuple, bool] = {}  # _counts_fine per (list lengths, blocks needed)
 
     # ---- construction checks -------------------------------------------------
     def _check_remotes(self, decode_tp: int) -> int:
@@ -226,71 +240,122 @@ class Planner:
                 ByteCountError).
         """
         mode = PlanMode(mode)
-        num_tokens = _token_count(num_tokens)
-        first_token = self._first_token(first_token, num_tokens, mode)
-        num_groups = len(self._kinds)
-        local_ids = block_id_arrays("local", local_block_ids, num_groups)
-        remote_ids = block_id_arrays("remote", remote_block_ids, num_groups)
-        flat_l, flat_r = _flat(local_ids), _flat(remote_ids)
+        req = self._parse(local_block_ids, remote_block_ids, num_tokens, first_token, mode)
         if validate:
-            validate_block_ids("local", local_ids, self._kinds, num_tokens, self.local.block_size,
-                               self.local_desc.num_blocks, exact=False, flat=flat_l)
-            validate_block_ids("remote", remote_ids, self._kinds, num_tokens, self.remote.block_size,
-                               self._remote_num_blocks, exact=True, flat=flat_r)
-        sources: tuple[SourcePlan | PackSourcePlan, ...] = ()
-        if num_tokens > 0:
-            sources = self._build_sources(num_tokens, local_ids, remote_ids, flat_l, flat_r, mode, cost or self.cost,
-                                          first_token)
-        plan = self._read_plan(sources, num_tokens, mode, first_token)
-        if validate:
-            validate_plan(plan, self._local_regions, self._remote_regions)
-        return plan
+            error = self._id_error(req)
+            if error is not None:
+                raise error
+        plans, merged = self._build([req], mode, cost or self.cost)
+        if validate and not self._rows_fine(plans, merged):
+            validate_plan(plans[0], self._local_regions, self._remote_regions)
+        return plans[0]
 
     def plan_many(self, items: Sequence[tuple], mode: PlanMode = PlanMode.COALESCED, *,
                   cost: CostModel | None = None) -> list[ReadPlan | PlanError]:
         """``plan`` for every (local ids, remote ids, num_tokens[, first_token]) of a step: a plan, or the PlanError
-        ``plan`` raises for that request alone. The id and plan checks run once over the whole step
-        (plan/batch_checks.py); a request they flag is checked again alone for its exact error."""
+        ``plan`` raises for that request alone. Every request's rows are built, and checked, in one numpy pass
+        (plan/batch_rows.py); a step that pass does not clear is checked again per request for the exact error
+        (plan/batch_checks.py)."""
         mode = PlanMode(mode)
-        if len(items) == 1:  # nothing to share: the one-request path has no batch set-up to pay
-            local, remote, n, *first = items[0]
-            try:
-                return [self.plan(local, remote, n, mode, cost=cost, first_token=first[0] if first else 0)]
-            except PlanError as exc:
-                return [exc]
         out: list[ReadPlan | PlanError | None] = [None] * len(items)
-        ok, lo, ro, counts, firsts = [], [], [], [], []  # the requests whose ids convert: index, ids, token range
+        ok: list[int] = []
+        reqs: list[_Request] = []
         for i, (local, remote, n, *first) in enumerate(items):
             try:
-                count = _token_count(n)
-                parsed = (count, block_id_arrays("local", local, len(self._kinds)),
-                          block_id_arrays("remote", remote, len(self._kinds)),
-                          self._first_token(first[0] if first else 0, count, mode))
+                reqs.append(self._parse(local, remote, n, first[0] if first else 0, mode, ids_first=len(items) > 1))
             except PlanError as exc:
                 out[i] = exc
                 continue
             ok.append(i)
-            counts.append(parsed[0])
-            lo.append(parsed[1])
-            ro.append(parsed[2])
-            firsts.append(parsed[3])
-        fl, fr = [_flat(ids) for ids in lo], [_flat(ids) for ids in ro]
-        bad_l = check_ids("local", lo, fl, counts, self._kinds, self.local.block_size, self.local_desc.num_blocks,
-                          exact=False)
-        bad_r = check_ids("remote", ro, fr, counts, self._kinds, self.remote.block_size, self._remote_num_blocks,
-                          exact=True)
-        planned: list[tuple[int, ReadPlan]] = []
-        for j, i in enumerate(ok):
-            if bad_l[j] or bad_r[j]:
-                out[i] = bad_l[j] or bad_r[j]
-                continue
-            sources = (self._build_sources(counts[j], lo[j], ro[j], fl[j], fr[j], mode, cost or self.cost, firsts[j])
-                       if counts[j] > 0 else ())
-            planned.append((i, self._read_plan(sources, counts[j], mode, firsts[j])))
-        for (i, plan), error in zip(planned, check_plans([p for _, p in planned], self._local_regions,
-                                                          self._remote_regions), strict=True):
+        if not self._ids_fine(reqs):
+            keep = []
+            for i, req in zip(ok, reqs, strict=True):
+                out[i] = self._id_error(req)
+                if out[i] is None:
+                    keep.append((i, req))
+            ok, reqs = [i for i, _ in keep], [req for _, req in keep]
+        plans, merged = self._build(reqs, mode, cost or self.cost)
+        if self._rows_fine(plans, merged):
+            errors: list[PlanError | None] = [None] * len(plans)
+        else:
+            errors = check_plans(plans, self._local_regions, self._remote_regions)
+        for i, plan, error in zip(ok, plans, errors, strict=True):
             out[i] = error or plan
         return out  # type: ignore[return-value]
+
+    def _parse(self, local: object, remote: object, num_tokens: object, first_token: object,
+               mode: PlanMode, *, ids_first: bool = False) -> _Request:
+        """A request's count, prefix hit and ids, checked first: the typed errors of a bad count, first token,
+        group count or id type. ``plan`` reads the prefix hit before the ids; ``plan_many`` of several requests
+        has read the ids first (``ids_first``), which decides the error of a request bad in both ways."""
+        count = _token_count(num_tokens)
+        first = None if ids_first else self._first_token(first_token, count, mode)
+        flat_l, local_lens = self._flat_ids("local", local)
+        flat_r, remote_lens = self._flat_ids("remote", remote)
+        if first is None:
+            first = self._first_token(first_token, count, mode)
+        ids = np.concatenate((flat_l, flat_r)) if flat_l.shape[0] else flat_r
+        return _Request(count, first, ids, flat_l.shape[0], local_lens, remote_lens, local, remote)
+
+    def _flat_ids(self, side: str, block_ids: object) -> tuple[np.ndarray, tuple[int, ...]]:
+        """A side's ids concatenated in group order, and each group's length: ``block_id_arrays`` and
+        ``_flat`` in one numpy call where the groups are int64 arrays or lists or tuples of Python ints (the
+        consumer's converted ids, a ticket's tuples); any other input takes ``block_id_arrays`` itself."""
+        num_groups = len(self._kinds)
+        if len(block_ids) == num_groups:  # type: ignore[arg-type]
+            groups = tuple(block_ids)  # type: ignore[call-overload]
+            if all(type(g) is np.ndarray and g.dtype == np.int64 and g.ndim == 1 for g in groups):
+                return _flat(list(groups)), tuple(g.shape[0] for g in groups)
+            if all(type(g) in (list, tuple) and set(map(type, g)) <= _PLAIN_INT for g in groups):
+                try:
+                    return (np.array(list(chain.from_iterable(groups)), dtype=np.int64),
+                            tuple(len(g) for g in groups))
+                except OverflowError:  # past int64: block_id_arrays decides what it is
+                    pass
+        arrays = block_id_arrays(side, block_ids, num_groups)  # type: ignore[arg-type]
+        return _flat(arrays), tuple(a.shape[0] for a in arrays)
+
+    def _counts_fine(self, req: _Request) -> bool:
+        """List lengths as ``validate_block_ids`` wants them on both sides (cached per lengths and need)."""
+        need_l = -(-req.num_tokens // self.local.block_size)
+        need_r = -(-req.num_tokens // self.remote.block_size)
+        key = (req.local_lens, req.remote_lens, need_l, need_r)
+        got = self._counts.get(key)
+        if got is None:
+            got = all((nl == 1 and nr == 1) if k is LayerKind.GDN else (nl >= need_l and nr == need_r)
+                      for k, nl, nr in zip(self._kinds, req.local_lens, req.remote_lens, strict=True))
+            if len(self._counts) >= _SEEN_CACHE_SIZE:
+                self._counts.pop(next(iter(self._counts)))
+            self._counts[key] = got
+        return got
+
+    def _ids_fine(self, reqs: Sequence[_Request]) -> bool:
+        """Every request's ids certainly pass ``validate_block_ids`` on both sides (strict: False is no error)."""
+        return all(self._counts_fine(r) for r in reqs) and (
+            not reqs or self._id_check([r.ids for r in reqs], [r.local_len for r in reqs]))
+
+    def _id_error(self, req: _Request) -> PlanError | None:
+        """``validate_block_ids``'s error for a request, local side first, or None (the fast check first)."""
+        if self._ids_fine([req]):
+            return None
+        num_groups = len(self._kinds)
+        try:
+            validate_block_ids("local", block_id_arrays("local", req.local, num_groups), self._kinds,
+                               req.num_tokens, self.local.block_size, self.local_desc.num_blocks, exact=False,
+                               flat=req.ids[:req.local_len])
+            validate_block_ids("remote", block_id_arrays("remote", req.remote, num_groups), self._kinds,
+                               req.num_tokens, self.remote.block_size, self._remote_num_blocks, exact=True,
+                               flat=req.ids[req.local_len:])
+        except PlanError as exc:
+            return exc
+        return None
+
+    def _rows_fine(self, plans: Sequence[ReadPlan], merged: Merged) -> bool:
+        """Every plan certainly passes ``validate_plan`` (strict: False is no error), from the merged rows."""
+        expected = [p.expected_bytes for p in plans if p.num_tokens > 0]
+        if len(expected) != len(plans) and any(p.expected_bytes for p in plans if p.num_tokens <= 0):
+            return False
+        return not expected or rows_fine(merged, expected, self._broadcast)
 
     def _first_token(self, first_token: object, num_tokens: int, mode: PlanMode) -> int:
         """A prefix hit's end, checked: on a local block boundary and within the request; naive mode moves whole
@@ -333,9 +398,10 @@ class Planner:
         if rec is None:
             if len(self._recipes) >= _FRAME_CACHE_SIZE:
                 self._recipes.pop(next(iter(self._recipes)))
-            rec = self._recipes[key] = recipe(self._frame(token_end, first_token), self._kv, self._state,
-                                              self._attn_groups, self._gdn_groups, local_lens, remote_lens, naive,
-                                              self._group_tensors)
+            rec = self._recipes[key] = stacked(
+                recipe(self._frame(token_end, first_token), self._kv, self._state, self._attn_groups,
+                       self._gdn_groups, local_lens, remote_lens, naive, self._group_tensors),
+                sum(local_lens), self.local.num_tensors)
             return rec
         return rec.with_tail((token_end - cut) * self._kv_stride)
 
@@ -433,57 +499,76 @@ class Planner:
         rel_l, rel_r, rel_len = merge_ranges(pieces.local_off, tagged, pieces.length, pieces.key)
         return rel_l, rel_r & SOURCE_MASK, rel_len, num_tensors - (rel_r >> SOURCE_SHIFT)
 
-    def _build_sources(self, num_tokens: int, local_ids: list[np.ndarray], remote_ids: list[np.ndarray],
-                       flat_l: np.ndarray, flat_r: np.ndarray, mode: PlanMode, cost: CostModel,
-                       first_token: int = 0) -> tuple[SourcePlan | PackSourcePlan, ...]:
-        """Pieces of every source at once (the shape's cached recipe over ``flat_*``, the id lists concatenated),
-        one merge, one broadcast over tensors, then one plan per source."""
+    def _build(self, reqs: Sequence[_Request], mode: PlanMode,
+               cost: CostModel) -> tuple[list[ReadPlan], Merged]:
+        """Every request's plan, and the merged rows behind them (batch_rows.py): each request's pieces from its
+        shape's cached recipe, all merged in one pass, one broadcast over tensors, then one plan per request."""
         naive = mode is PlanMode.NAIVE
-        if not naive:  # a kernel page whose interior is not token-major moves whole (docs/attention-layouts.md)
-            num_tokens = self.local.moved_token_end(num_tokens)
-        # Naive is vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
-        token_end = naive_token_end(num_tokens, self.local, self.remote) if naive else num_tokens
-        local_lens = tuple(a.shape[0] for a in local_ids)
-        remote_lens = tuple(a.shape[0] for a in remote_ids)
-        rec = self._recipe(token_end, naive, local_lens, remote_lens, first_token)
-        pieces = rec.pieces(flat_l, flat_r, self._local_page, self._remote_page)
-        rel_l, rel_r, rel_len, ntens = self._merge(rec, pieces)
-        num_sources = len(self.templates)
-        if num_sources == 1:
-            bounds = [0, rel_l.shape[0]]
-            rem = self._remote_base[:, :1] + rel_r[None, :]
-        else:
-            # Sorted by tagged local offset, so rows are grouped by source, each ascending in local address.
-            src = rel_l >> SOURCE_SHIFT
-            rel_l = rel_l & SOURCE_MASK
-            bounds = np.searchsorted(src, np.arange(num_sources + 1)).tolist()
-            rem = self._remote_base[:, src] + rel_r[None, :]
-        loc = self._local_base[:, None] + rel_l[None, :]
-        length = rel_len[None, :].repeat(loc.shape[0], axis=0)
-        # [tensor, piece]: whether the piece's group has a layer on the tensor (padded groups only).
-        held = None if ntens is None else self._tensor_index < ntens[None, :]
-        out: list[SourcePlan | PackSourcePlan] = []
-        ld = self.local_desc.device_id
-        # A prefix hit's read starts past token 0, where no staging layout starts: it stays direct.
-        packs = not first_token and (mode is PlanMode.PACK or (
-            mode is PlanMode.AUTO and self._auto_packs(num_tokens, local_lens, remote_lens, cost)))
-        for i, tpl in enumerate(self.templates):
-            a, b = bounds[i], bounds[i + 1]
-            if a == b:
+        jobs, built = [], []
+        for req in reqs:
+            if req.num_tokens <= 0:
                 continue
-            if held is None:
-                cols = (loc[:, a:b].ravel(), rem[:, a:b].ravel(), length[:, a:b].ravel())  # tensor-major rows
-            else:
-                mask = held[:, a:b]
-                cols = (loc[:, a:b][mask], rem[:, a:b][mask], length[:, a:b][mask])
-            direct = SourcePlan(tpl.source_rank, *cols, ld, tpl.device_id)
-            if packs:
-                pack = self._pack(rec, i, num_tokens, local_lens, remote_lens)
-                out.append(to_pack(direct, tpl, remote_ids, num_tokens) if pack is None
-                           else pack.pack(direct, flat_l, flat_r, num_tokens))
-            else:
-                out.append(direct)
-        return tuple(out)
+            # A kernel page whose interior is not token-major moves whole (docs/attention-layouts.md); naive is
+            # vLLM 0.33's scheme: whole pages, the unused tail of the last one included.
+            moved = req.num_tokens if naive else self.local.moved_token_end(req.num_tokens)
+            token_end = naive_token_end(moved, self.local, self.remote) if naive else moved
+            rec = self._recipe(token_end, naive, req.local_lens, req.remote_lens, req.first_token)
+            jobs.append((rec, req.ids))
+            built.append((req, rec, moved))
+        merged = merge_rows(jobs, self._broadcast) if jobs else _NO_ROWS
+        plans = []
+        if jobs:
+            num_sources = len(self.templates)
+            seg = segment_bounds(merged, num_sources)
+            loc, rem, length, out = self._spreader.spread(merged, seg)
+            ld = self.local_desc.device_id
+            for j, (req, rec, moved) in enumerate(built):
+                sources = []
+                # A prefix hit's read starts past token 0, where no staging layout starts: it stays direct.
+                packs = not req.first_token and (mode is PlanMode.PACK or (
+                    mode is PlanMode.AUTO and self._auto_packs(moved, req.local_lens, req.remote_lens, cost)))
+                for i, tpl in enumerate(self.templates):
+                    k = j * num_sources + i
+                    if seg[k] == seg[k + 1]:
+                        continue
+                    a, b = out[k], out[k + 1]
+                    direct = SourcePlan(tpl.source_rank, loc[a:b], rem[a:b], length[a:b], ld, tpl.device_id)
+                    sources.append(self._packed(direct, i, tpl, req, rec, moved) if packs else direct)
+                plans.append(self._read_plan(sources, req.num_tokens, mode, req.first_token))
+        it = iter(plans)
+        plans = [next(it) if req.num_tokens > 0 else self._read_plan((), req.num_tokens, mode, req.first_token)
+                 for req in reqs]
+        return plans, merged
+
+    def _packed(self, direct: SourcePlan, index: int, tpl: SourceTemplate, req: _Request, rec: Recipe,
+                moved: int) -> PackSourcePlan:
+        """One source's pack plan: mapped from its direct rows the first time its structure is seen, from the
+        structure's cached PackRecipe after."""
+        pack = self._pack(rec, index, moved, req.local_lens, req.remote_lens)
+        if pack is None:
+            remote_ids = block_id_arrays("remote", req.remote, len(self._kinds))
+            return to_pack(direct, tpl, remote_ids, moved)
+        return pack.pack(direct, req.ids[:req.local_len], req.ids[req.local_len:], moved)
+
+
+class _Request(NamedTuple):
+    """One request as ``_parse`` read it: ``ids`` holds the local ids then the remote ones, each side's groups
+    concatenated in group order (``local_len`` local); ``local`` and ``remote`` are the ids as given (what the
+    exact checks and a first pack read)."""
+
+    num_tokens: int
+    first_token: int
+    ids: np.ndarray
+    local_len: int
+    local_lens: tuple[int, ...]
+    remote_lens: tuple[int, ...]
+    local: object
+    remote: object
+
+
+_PLAIN_INT = frozenset((int,))
+_EMPTY = np.empty(0, dtype=np.int64)
+_NO_ROWS = Merged(np.empty((2, 0), dtype=np.int64), _EMPTY, [0], None, None)
 
 
 def _token_count(num_tokens: object, name: str = "num_tokens") -> int:
@@ -496,6 +581,20 @@ def _token_count(num_tokens: object, name: str = "num_tokens") -> int:
 def _flat(ids: list[np.ndarray]) -> np.ndarray:
     """Block-id lists concatenated in group order (what a Recipe's positions index)."""
     return ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
+
+
+def _row_limit(descs: Sequence[RankDescriptor], *, disjoint: bool = False) -> int | None:
+    """The bytes past a tensor's base address that every row of it may reach and still lie in its own registered
+    region (batch_rows.rows_fine): the smallest region of ``descs``; None when a region's end passes int64, or,
+    with ``disjoint``, when two regions overlap (rows of two tensors could then overlap)."""
+    limit = min(d.region_bytes for d in descs)
+    for d in descs:
+        starts = sorted(d.tensor_addrs)
+        if starts and starts[-1] + d.region_bytes >= 1 << 63:
+            return None
+        if disjoint and any(b < a + d.region_bytes for a, b in zip(starts, starts[1:])):
+            return None
+    return limit
 
 
 def _mode_of(src: SourcePlan | PackSourcePlan, mode: PlanMode) -> PlanMode:
