@@ -39,6 +39,7 @@ bench() {  # name, args...
     # Only the JSON (and a plot where asked) goes to $OUT (the device tool brings back at most 8 files);
     # the summary and time-split tables go to stdout.
     ht bench --device cuda --verify $SWEEP "$@" --json "$OUT/$name.json" 2>&1 | grep -v '^\s*$' | tail -n "${TAIL:-32}"
+    return "${PIPESTATUS[0]}"  # the bench's own status (a fallback row may follow a failed one)
 }
 
 for stage in "$@"; do
@@ -150,24 +151,27 @@ for stage in "$@"; do
         mapped-pytest) say "python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py"
             python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py 2>&1 | tail -n 25 ;;
         issue28|issue28a|issue28b)  # issue 28's rows on one H200: the mapped path beside NIXL and the ceiling, 3 rounds, verified
-            # issue28a: P1->D1 16 per step (frag 0 and 1; the hook column is the worker thread per request) and
-            # concurrency 1 (post->DONE p50). issue28b: P2->D8 frag 1 against pack, and 131,072 tokens P2->D8.
-            STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --concurrency 16 --per-step 16 --rounds ${ROUNDS:-3} --read-transport mapped"
+            # issue28a: the CUDA tests, P1->D1 16 per step (frag 0 and 1; the hook column is the worker thread per
+            # request; I28_CONC requests in flight, 32 by default, so one step's start_reads overlaps the previous
+            # step's copy as a decode worker's loads do) and concurrency 1 (post->DONE p50). issue28b: P2->D8 frag 1
+            # against pack (16 per step; 8 when 16 does not fit), and 131,072 tokens P2->D8.
+            STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --per-step 16 --rounds ${ROUNDS:-3} --read-transport mapped"
             TAIL=60
             if [ "$stage" != issue28b ]; then
-                for case in p1d1 p2d8; do  # the copy alone: CPU per call, GPU time, against a contiguous copy
-                    say "python3 benchmarks/mapped_copy.py --case $case --frag 0,1 --step 16"
-                    [ -z "${DRY_RUN:-}" ] && python3 benchmarks/mapped_copy.py --case $case --frag 0,1 --step 16 2>&1 | tail -n 4
-                done
-                SWEEP="--sweep fragmentation --sweep-values 0,1" bench issue28_p1d1_step16 $STEP16 --requests 32 \
-                    --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
+                say "python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py"
+                [ -z "${DRY_RUN:-}" ] && python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py 2>&1 | tail -n 6
+                SWEEP="--sweep fragmentation --sweep-values 0,1" bench issue28_p1d1_step16 $STEP16 \
+                    --concurrency "${I28_CONC:-32}" --requests 48 --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
                 SWEEP="--fragmentation 1" bench issue28_p1d1_conc1 --preset qwen3.5-397b-a17b --tokens 8192 \
                     --concurrency 1 --per-step 1 --requests 16 --rounds "${ROUNDS:-3}" --read-transport mapped \
                     --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
             fi
             if [ "$stage" != issue28a ]; then
-                SWEEP="--fragmentation 1" bench issue28_p2d8_step16 $STEP16 --requests 16 --prefill-tp 2 --decode-tp 8 \
-                    --mode pack --wide
+                SWEEP="--fragmentation 1" bench issue28_p2d8_step16 $STEP16 --concurrency 16 --requests 16 \
+                    --prefill-tp 2 --decode-tp 8 --mode pack --wide \
+                || SWEEP="--fragmentation 1" bench issue28_p2d8_step8 --preset qwen3.5-397b-a17b --tokens 8192 \
+                    --per-step 8 --concurrency 8 --requests 8 --rounds "${ROUNDS:-3}" --read-transport mapped \
+                    --prefill-tp 2 --decode-tp 8 --mode pack --wide
                 SWEEP="--fragmentation 1" bench issue28_long_p2d8_131k $LONG --tokens 131072 --prefill-tp 2 \
                     --decode-tp 8 --mode auto --read-transport mapped --wide
             fi ;;
