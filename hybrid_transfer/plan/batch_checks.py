@@ -1,11 +1,10 @@
-"""The planner's checks over every request of a step at once (issue 20: vectorized id checks).
+"""The planner's plan checks over every plan of a step at once (issue 20: vectorized checks).
 
-A decode step plans many requests against one producer engine (docs/lifecycle.md#batched-reads). The
-checks ``Planner.plan`` runs per request (``validate_block_ids`` on both sides, ``validate_plan`` on the
-result) cost a handful of small numpy calls each; here each runs once over the whole step: the ids of
-every request in one array, tagged by request, and every plan's rows in one table. The vectorized pass
-only detects; a request it flags is checked again alone by the per-request function, so its typed error
-(and the value it names) is exactly the one ``Planner.plan`` raises, and the other requests go on.
+A decode step plans many requests against one producer engine (docs/lifecycle.md#batched-reads).
+``Planner.plan_many`` first tries the strict one-pass checks of plan/batch_rows.py; a step they do not
+clear comes here: every plan's rows in one table, and a plan this pass flags is checked again alone by
+``validate_plan``, so its typed error (and the value it names) is exactly the one ``Planner.plan`` raises,
+and the other requests go on. (The ids of such a step are checked per request by ``validate_block_ids``.)
 """
 
 from __future__ import annotations
@@ -15,54 +14,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from hybrid_transfer.errors import PlanError
-from hybrid_transfer.layout.model import LayerKind
 from hybrid_transfer.plan.types import PackSourcePlan, ReadPlan, SourcePlan
-from hybrid_transfer.plan.validate import RegionTable, validate_block_ids, validate_plan
-
-
-def flag_bad_ids(flats: Sequence[np.ndarray], counts: np.ndarray, need: np.ndarray, kinds: Sequence[LayerKind],
-                 num_blocks: int, *, exact: bool) -> np.ndarray:
-    """A bool per request: its ids break a rule of ``validate_block_ids`` (count, range or uniqueness).
-
-    Args:
-        flats: each request's ids, groups concatenated.
-        counts: [request, group] ids listed per group.
-        need: attention blocks each request's token count needs.
-    """
-    gdn = np.fromiter((k is LayerKind.GDN for k in kinds), bool, len(kinds))
-    attn = counts[:, ~gdn]
-    short = (attn != need[:, None]) if exact else (attn < need[:, None])
-    bad = short.any(axis=1) | (counts[:, gdn] != 1).any(axis=1)
-    sizes = np.fromiter((f.shape[0] for f in flats), np.int64, len(flats))
-    if not sizes.any():
-        return bad
-    ids = np.concatenate(flats)
-    owner = np.repeat(np.arange(len(flats), dtype=np.int64), sizes)
-    out = (ids < 0) | (ids >= num_blocks)
-    bad[owner[out]] = True
-    # Unique within a request: sort (request, id) pairs and look at neighbours.
-    key = owner * (num_blocks + 1) + np.clip(ids, -1, num_blocks)
-    key.sort()
-    dup = (key[1:] == key[:-1]).nonzero()[0]
-    bad[key[dup] // (num_blocks + 1)] = True
-    return bad
-
-
-def check_ids(side: str, ids: Sequence[Sequence[np.ndarray]], flats: Sequence[np.ndarray],
-              num_tokens: Sequence[int], kinds: Sequence[LayerKind], block_size: int, num_blocks: int, *,
-              exact: bool) -> list[PlanError | None]:
-    """``validate_block_ids`` for every request: its error, or None."""
-    counts = np.array([[a.shape[0] for a in req] for req in ids], dtype=np.int64).reshape(len(ids), len(kinds))
-    need = -(-np.asarray(num_tokens, dtype=np.int64) // block_size)
-    flagged = flag_bad_ids(flats, counts, need, kinds, num_blocks, exact=exact)
-    errors: list[PlanError | None] = [None] * len(ids)
-    for i in flagged.nonzero()[0].tolist():
-        try:
-            validate_block_ids(side, ids[i], kinds, num_tokens[i], block_size, num_blocks, exact=exact,
-                               flat=flats[i])
-        except PlanError as exc:
-            errors[i] = exc
-    return errors
+from hybrid_transfer.plan.validate import RegionTable, validate_plan
 
 
 def check_plans(plans: Sequence[ReadPlan], local: RegionTable,

@@ -106,7 +106,7 @@ def merge_rows(jobs: Sequence[tuple[Recipe, np.ndarray]], bc: Broadcast) -> Merg
     if n == 0:
         return Merged(np.empty((2, 0), dtype=np.int64), length[:0], [0] * (len(jobs) + 1),
                       None if bc.num_sources == 1 else length[:0], length[:0] if bc.padded else None)
-    s = offs[:, order]
+    s = offs.take(order, axis=1)  # a third of ``offs[:, order]``'s time
     ln = length[order]
     cont = s[:, 1:] == s[:, :-1] + ln[:-1]
     cont = cont[0] & cont[1]
@@ -121,7 +121,7 @@ def merge_rows(jobs: Sequence[tuple[Recipe, np.ndarray]], bc: Broadcast) -> Merg
     np.logical_not(cont, out=head[1:])
     starts = head.nonzero()[0]
     if starts.shape[0] != n:
-        s, ln = s[:, starts], np.add.reduceat(ln, starts)
+        s, ln = s.take(starts, axis=1), np.add.reduceat(ln, starts)
     bounds = [0, s.shape[1]] if len(jobs) == 1 else np.searchsorted(starts, firsts).tolist()
     src = ntens = None
     if bc.num_sources > 1:

@@ -18,8 +18,16 @@ from hybrid_transfer.errors import FingerprintMismatch, PlanError, TopologyError
 from hybrid_transfer.layout.geometry import RankGeometry
 from hybrid_transfer.layout.model import LayerKind, ModelSpec
 from hybrid_transfer.plan.batch_checks import check_plans
-from hybrid_transfer.plan.batch_rows import Broadcast, IdCheck, Merged, Spreader, merge_rows, rows_fine, \
-    segment_bounds, stacked
+from hybrid_transfer.plan.batch_rows import (
+    Broadcast,
+    IdCheck,
+    Merged,
+    Spreader,
+    merge_rows,
+    rows_fine,
+    segment_bounds,
+    stacked,
+)
 from hybrid_transfer.plan.cost import CostModel
 from hybrid_transfer.plan.merge import merge_ranges
 from hybrid_transfer.plan.pack import PackRecipe, pack_recipe, structure_recipe
@@ -290,30 +298,32 @@ class Planner:
         has read the ids first (``ids_first``), which decides the error of a request bad in both ways."""
         count = _token_count(num_tokens)
         first = None if ids_first else self._first_token(first_token, count, mode)
-        flat_l, local_lens = self._flat_ids("local", local)
-        flat_r, remote_lens = self._flat_ids("remote", remote)
+        parts_l, local_lens = self._id_parts("local", local)
+        parts_r, remote_lens = self._id_parts("remote", remote)
         if first is None:
             first = self._first_token(first_token, count, mode)
-        ids = np.concatenate((flat_l, flat_r)) if flat_l.shape[0] else flat_r
-        return _Request(count, first, ids, flat_l.shape[0], local_lens, remote_lens, local, remote)
+        parts = parts_l + parts_r
+        ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
+        return _Request(count, first, ids, sum(local_lens), local_lens, remote_lens, local, remote)
 
-    def _flat_ids(self, side: str, block_ids: object) -> tuple[np.ndarray, tuple[int, ...]]:
-        """A side's ids concatenated in group order, and each group's length: ``block_id_arrays`` and
-        ``_flat`` in one numpy call where the groups are int64 arrays or lists or tuples of Python ints (the
-        consumer's converted ids, a ticket's tuples); any other input takes ``block_id_arrays`` itself."""
-        num_groups = len(self._kinds)
-        if len(block_ids) == num_groups:  # type: ignore[arg-type]
+    def _id_parts(self, side: str, block_ids: object) -> tuple[list[np.ndarray], tuple[int, ...]]:
+        """A side's ids as int64 arrays whose concatenation is its groups' in group order, and each group's
+        length: ``block_id_arrays`` without a numpy call per group where the groups are int64 arrays (the
+        consumer's converted ids) or lists or tuples of Python ints (a ticket's), which convert in one; any
+        other input takes ``block_id_arrays`` itself, which raises what a bad one gets."""
+        if len(block_ids) == len(self._kinds):  # type: ignore[arg-type]
             groups = tuple(block_ids)  # type: ignore[call-overload]
-            if all(type(g) is np.ndarray and g.dtype == np.int64 and g.ndim == 1 for g in groups):
-                return _flat(list(groups)), tuple(g.shape[0] for g in groups)
-            if all(type(g) in (list, tuple) and set(map(type, g)) <= _PLAIN_INT for g in groups):
+            kinds = {type(g) for g in groups}
+            if kinds == _ARRAY:
+                if all(g.dtype is _INT64 and g.ndim == 1 for g in groups):
+                    return list(groups), tuple(g.shape[0] for g in groups)
+            elif kinds <= _SEQUENCES and set(map(type, chain.from_iterable(groups))) <= _PLAIN_INT:
                 try:
-                    return (np.array(list(chain.from_iterable(groups)), dtype=np.int64),
-                            tuple(len(g) for g in groups))
+                    return [np.array(list(chain.from_iterable(groups)), dtype=np.int64)], tuple(map(len, groups))
                 except OverflowError:  # past int64: block_id_arrays decides what it is
                     pass
-        arrays = block_id_arrays(side, block_ids, num_groups)  # type: ignore[arg-type]
-        return _flat(arrays), tuple(a.shape[0] for a in arrays)
+        arrays = block_id_arrays(side, block_ids, len(self._kinds))  # type: ignore[arg-type]
+        return arrays, tuple(a.shape[0] for a in arrays)
 
     def _counts_fine(self, req: _Request) -> bool:
         """List lengths as ``validate_block_ids`` wants them on both sides (cached per lengths and need)."""
@@ -567,6 +577,9 @@ class _Request(NamedTuple):
 
 
 _PLAIN_INT = frozenset((int,))
+_ARRAY = {np.ndarray}
+_SEQUENCES = frozenset((list, tuple))
+_INT64 = np.dtype(np.int64)
 _EMPTY = np.empty(0, dtype=np.int64)
 _NO_ROWS = Merged(np.empty((2, 0), dtype=np.int64), _EMPTY, [0], None, None)
 
@@ -578,11 +591,6 @@ def _token_count(num_tokens: object, name: str = "num_tokens") -> int:
     return int(num_tokens)
 
 
-def _flat(ids: list[np.ndarray]) -> np.ndarray:
-    """Block-id lists concatenated in group order (what a Recipe's positions index)."""
-    return ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else np.empty(0, dtype=np.int64)
-
-
 def _row_limit(descs: Sequence[RankDescriptor], *, disjoint: bool = False) -> int | None:
     """The bytes past a tensor's base address that every row of it may reach and still lie in its own registered
     region (batch_rows.rows_fine): the smallest region of ``descs``; None when a region's end passes int64, or,
@@ -592,7 +600,7 @@ def _row_limit(descs: Sequence[RankDescriptor], *, disjoint: bool = False) -> in
         starts = sorted(d.tensor_addrs)
         if starts and starts[-1] + d.region_bytes >= 1 << 63:
             return None
-        if disjoint and any(b < a + d.region_bytes for a, b in zip(starts, starts[1:])):
+        if disjoint and any(b < a + d.region_bytes for a, b in zip(starts, starts[1:], strict=False)):
             return None
     return limit
 
