@@ -7,8 +7,10 @@ broadcast over the tensors' base addresses with one gather; each request's Sourc
 batch's columns. The rows, and their order, are those each request gets planned alone: per request, per
 source in template order, tensor-major (what ``Planner.plan`` returned before this pass existed).
 
-The checks here only say yes or no for a whole step, and are strict: a step they do not pass is checked
-again by the exact per-request functions (plan/batch_checks.py, plan/validate.py), which name the error.
+The checks here only say yes or no, and are strict: a step they do not pass is checked again by the exact
+per-request functions (plan/batch_checks.py, plan/validate.py), which name the error. The ids are checked
+per step (``IdCheck``); the rows are not checked per request at all: what ``validate_plan`` asks of them
+follows from the ids and from their shape's pieces, checked once per shape (``Fit``).
 """
 
 from __future__ import annotations
@@ -25,22 +27,18 @@ from hybrid_transfer.plan.templates import SOURCE_MASK, SOURCE_SHIFT
 _SPREAD_CACHE_SIZE = 256
 
 
-_min, _max, _sum = np.minimum.reduce, np.maximum.reduce, np.add.reduce  # ndarray.min() & co. add a Python frame
+_min, _max = np.minimum.reduce, np.maximum.reduce  # ndarray.min() and max() add a Python frame
 
 
 @dataclass(frozen=True)
 class Broadcast:
-    """What the rows need of a planner, fixed at its construction.
-
-    ``limits``: per side, a row whose offset lies in [0, limit) of its own tensor, end included, is inside a
-    registered region (None: the regions do not allow that shortcut, so every step takes the exact check)."""
+    """What the rows need of a planner, fixed at its construction."""
 
     bases: np.ndarray  # [2, tensor, 1]: each tensor's local base address, and its first source's
     remote_base: np.ndarray  # [tensor, source]
     pages: np.ndarray  # [[local page bytes], [remote page bytes]]
     num_sources: int
     padded: bool  # some group is not on every tensor: rows carry their tensor count (Recipe.tensors)
-    limits: tuple[int, int] | None
 
     @property
     def num_tensors(self) -> int:
@@ -67,16 +65,61 @@ class Merged:
     ntens: np.ndarray | None
 
 
-def stacked(rec: Recipe, local_len: int, num_tensors: int) -> Recipe:
+@dataclass(frozen=True)
+class Fit:
+    """What every request of one shape's rows satisfy, found once per shape, so no request checks its rows.
+
+    With its ids in range and unique (``IdCheck``), a request's rows lie in its blocks' pages and never
+    overlap when every piece lies inside its page on both sides and apart from the other pieces of its local
+    block: a row is a run of pieces of one block pair, distinct local ids are distinct pages, and distinct
+    tensors are disjoint regions (``Planner._row_shortcut``). The tail pieces (``Recipe.tail``) take each
+    token end's length: any length in (0, ``room``] keeps them so. Bytes: ``fixed_bytes`` plus the tail's
+    length times ``tail_weight`` (pieces times the tensors each lies on; merging keeps the sum)."""
+
+    room: int  # -1: a piece other than the tail's is outside its page, empty, or on another one
+    fixed_bytes: int
+    tail_weight: int
+
+    def holds(self, head: int, expected_bytes: int) -> bool:
+        """A request of this shape whose tail pieces are ``head`` bytes long passes ``validate_plan``."""
+        return 0 < head <= self.room and self.fixed_bytes + head * self.tail_weight == expected_bytes
+
+
+def fit(rec: Recipe, pages: np.ndarray, num_tensors: int) -> Fit:
+    """``rec``'s Fit (``pages``: [[local page bytes], [remote page bytes]]); ``rec`` is stacked."""
+    n = rec.length.shape[0]
+    weight = np.full(n, num_tensors, dtype=np.int64) if rec.tensors is None else rec.tensors
+    tail = np.zeros(n, dtype=bool)
+    tail[rec.tail] = True
+    const = rec.const2 & SOURCE_MASK  # a source's tag on local offsets, a tensor count's on remote ones
+    end = const + rec.length
+    fixed = ~tail
+    fine = bool((const >= 0).all() and (end[:, fixed] <= pages).all() and (rec.length[fixed] > 0).all())
+    room = (pages - const[:, tail]).min(initial=1 << 62)
+    # Apart: in each local block's pieces by offset, every piece ends before the next one starts.
+    order = np.lexsort((const[0], rec.sel2[0]))
+    block, start, length, last = rec.sel2[0][order], const[0][order], rec.length[order], tail[order]
+    same = block[1:] == block[:-1]
+    gap = start[1:] - start[:-1]
+    fine = fine and bool((length[:-1][same & ~last[:-1]] <= gap[same & ~last[:-1]]).all())
+    room = min(int(room), int(gap[same & last[:-1]].min(initial=1 << 62)))
+    return Fit(room if fine else -1, int((rec.length * weight)[fixed].sum()), int(weight[tail].sum()))
+
+
+def stacked(rec: Recipe, local_len: int, num_tensors: int, pages: np.ndarray) -> Recipe:
     """``rec`` with its two sides as [2, piece] arrays indexing one request's local and remote ids laid end to
     end (``local_len`` local ids first), the padded-tensor tag folded into the remote constants, so both
-    sides take one gather, one multiply and one add."""
+    sides take one gather, one multiply and one add; and with its Fit."""
     remote_const = rec.remote_const
     if rec.tensors is not None:  # pieces on different tensor counts never merge (Planner._merge)
         remote_const = remote_const + ((num_tensors - rec.tensors) << SOURCE_SHIFT)
-    return Recipe(rec.local_sel, rec.local_const, rec.remote_sel, rec.remote_const, rec.length, rec.key, rec.tail,
-                  rec.tensors, np.stack((rec.local_sel, rec.remote_sel + local_len)),
-                  np.stack((rec.local_const, remote_const)))
+    out = Recipe(rec.local_sel, rec.local_const, rec.remote_sel, rec.remote_const, rec.length, rec.key, rec.tail,
+                 rec.tensors, np.stack((rec.local_sel, rec.remote_sel + local_len)),
+                 np.stack((rec.local_const, remote_const)), int(rec.length[rec.tail[0]]) if rec.tail.shape[0] else 0)
+    return Recipe(*(getattr(out, f) for f in _RECIPE_FIELDS[:-1]), fit(out, pages, num_tensors))
+
+
+_RECIPE_FIELDS = tuple(Recipe.__dataclass_fields__)
 
 
 def merge_rows(jobs: Sequence[tuple[Recipe, np.ndarray]], bc: Broadcast) -> Merged:
@@ -187,43 +230,6 @@ class Spreader:
                 self._index.pop(next(iter(self._index)))
             self._index[sizes] = got
         return got
-
-
-def rows_fine(m: Merged, expected: Sequence[int], bc: Broadcast) -> bool:
-    """Whether every request's rows certainly pass ``validate_plan``: non-empty, inside their own tensor's
-    region on both sides, no two destinations of a request overlapping, the bytes each request expects.
-
-    Strict, not exact: False sends the step to the exact check. Sound because a row's tensor regions do not
-    overlap (``limits`` is set only then), so rows of different tensors never overlap, and rows of one
-    tensor are compared after sorting by offset."""
-    if bc.limits is None:
-        return False
-    rows, ln = m.rows, m.length
-    if ln.shape[0] == 0:
-        return not any(expected)
-    if _min(ln) <= 0 or _min(rows, axis=None) < 0:
-        return False
-    end = rows + ln
-    hi_l, hi_r = _max(end, axis=1).tolist()
-    if hi_l > bc.limits[0] or hi_r > bc.limits[1]:
-        return False
-    local, end_l = rows[0], end[0]
-    if m.src is not None:  # several sources interleave in local address: sort each request's rows again
-        req = np.repeat(np.arange(len(m.bounds) - 1, dtype=np.int64), np.diff(m.bounds))
-        order = (local + (req << bc.request_shift)).argsort(kind="stable")
-        local, end_l = local[order], end_l[order]
-    clash = local[1:] < end_l[:-1]
-    cuts = [b - 1 for b in m.bounds[1:-1] if 0 < b < local.shape[0]]
-    if cuts:
-        clash[cuts] = False  # rows of two requests
-    if np.count_nonzero(clash):
-        return False
-    weight = ln * bc.num_tensors if m.ntens is None else ln * m.ntens
-    if len(expected) == 1:
-        return int(_sum(weight)) == expected[0]
-    total = np.zeros(weight.shape[0] + 1, dtype=np.int64)
-    np.cumsum(weight, out=total[1:])
-    return np.diff(total[m.bounds]).tolist() == list(expected)
 
 
 class IdCheck:

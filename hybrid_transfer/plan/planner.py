@@ -21,10 +21,8 @@ from hybrid_transfer.plan.batch_checks import check_plans
 from hybrid_transfer.plan.batch_rows import (
     Broadcast,
     IdCheck,
-    Merged,
     Spreader,
     merge_rows,
-    rows_fine,
     segment_bounds,
     stacked,
 )
@@ -148,13 +146,11 @@ class Planner:
         self._kv_bytes_per_token = self.local.kv_bytes_per_token * self.local.num_attention_layers
         self._state_bytes = self.local.state_bytes_per_request
         self._kv_stride = self.local.kv_token_stride  # a geometry property, computed on every read
-        limits = (_row_limit([local], disjoint=True),
-                  _row_limit([self.remote_descs[t.source_rank] for t in self.templates]))
         self._broadcast = Broadcast(np.stack((self._local_base, self._remote_base[:, 0]))[:, :, None],
                                     self._remote_base,
                                     np.array([[self._local_page], [self._remote_page]], dtype=np.int64),
-                                    len(self.templates), self._group_tensors is not None,
-                                    None if None in limits else limits)  # type: ignore[arg-type]
+                                    len(self.templates), self._group_tensors is not None)
+        self._rows_follow = self._row_shortcut()
         self._spreader = Spreader(self._broadcast)
         self._id_check = IdCheck(self.local_desc.num_blocks, self._remote_num_blocks)
         self._counts: dict[tuple, bool] = {}  # _counts_fine per (list lengths, blocks needed)
@@ -253,8 +249,8 @@ class Planner:
             error = self._id_error(req)
             if error is not None:
                 raise error
-        plans, merged = self._build([req], mode, cost or self.cost)
-        if validate and not self._rows_fine(plans, merged):
+        plans, fine = self._build([req], mode, cost or self.cost)
+        if validate and not fine:
             validate_plan(plans[0], self._local_regions, self._remote_regions)
         return plans[0]
 
@@ -282,8 +278,8 @@ class Planner:
                 if out[i] is None:
                     keep.append((i, req))
             ok, reqs = [i for i, _ in keep], [req for _, req in keep]
-        plans, merged = self._build(reqs, mode, cost or self.cost)
-        if self._rows_fine(plans, merged):
+        plans, fine = self._build(reqs, mode, cost or self.cost)
+        if fine:
             errors: list[PlanError | None] = [None] * len(plans)
         else:
             errors = check_plans(plans, self._local_regions, self._remote_regions)
@@ -344,6 +340,21 @@ class Planner:
         return all(self._counts_fine(r) for r in reqs) and (
             not reqs or self._id_check([r.ids for r in reqs], [r.local_len for r in reqs]))
 
+    def _row_shortcut(self) -> bool:
+        """Whether a plan's rows are sure to pass ``validate_plan`` once its ids pass ``validate_block_ids`` and its
+        shape's pieces lie in their pages (batch_rows.Fit): every region is its tensor's ``num_blocks`` pages of
+        the page size the planner uses, the local regions do not overlap (rows of two tensors then never do),
+        and no region's end passes int64."""
+        descs = [self.local_desc, *(self.remote_descs[t.source_rank] for t in self.templates)]
+        pages = [self._local_page] + [self._remote_page] * len(self.templates)
+        if any(d.page_bytes != page for d, page in zip(descs, pages, strict=True)):
+            return False
+        if any(max(d.tensor_addrs, default=0) + d.region_bytes >= 1 << 63 for d in descs):
+            return False
+        starts = sorted(self.local_desc.tensor_addrs)
+        size = self.local_desc.region_bytes
+        return all(b >= a + size for a, b in zip(starts, starts[1:], strict=False))
+
     def _id_error(self, req: _Request) -> PlanError | None:
         """``validate_block_ids``'s error for a request, local side first, or None (the fast check first)."""
         if self._ids_fine([req]):
@@ -359,13 +370,6 @@ class Planner:
         except PlanError as exc:
             return exc
         return None
-
-    def _rows_fine(self, plans: Sequence[ReadPlan], merged: Merged) -> bool:
-        """Every plan certainly passes ``validate_plan`` (strict: False is no error), from the merged rows."""
-        expected = [p.expected_bytes for p in plans if p.num_tokens > 0]
-        if len(expected) != len(plans) and any(p.expected_bytes for p in plans if p.num_tokens <= 0):
-            return False
-        return not expected or rows_fine(merged, expected, self._broadcast)
 
     def _first_token(self, first_token: object, num_tokens: int, mode: PlanMode) -> int:
         """A prefix hit's end, checked: on a local block boundary and within the request; naive mode moves whole
@@ -411,7 +415,7 @@ class Planner:
             rec = self._recipes[key] = stacked(
                 recipe(self._frame(token_end, first_token), self._kv, self._state, self._attn_groups,
                        self._gdn_groups, local_lens, remote_lens, naive, self._group_tensors),
-                sum(local_lens), self.local.num_tensors)
+                sum(local_lens), self.local.num_tensors, self._broadcast.pages)
             return rec
         return rec.with_tail((token_end - cut) * self._kv_stride)
 
@@ -510,9 +514,10 @@ class Planner:
         return rel_l, rel_r & SOURCE_MASK, rel_len, num_tensors - (rel_r >> SOURCE_SHIFT)
 
     def _build(self, reqs: Sequence[_Request], mode: PlanMode,
-               cost: CostModel) -> tuple[list[ReadPlan], Merged]:
-        """Every request's plan, and the merged rows behind them (batch_rows.py): each request's pieces from its
-        shape's cached recipe, all merged in one pass, one broadcast over tensors, then one plan per request."""
+               cost: CostModel) -> tuple[list[ReadPlan], bool]:
+        """Every request's plan (batch_rows.py): each request's pieces from its shape's cached recipe, all merged
+        in one pass, one broadcast over tensors, then one plan per request; and whether every plan is sure to
+        pass ``validate_plan`` (its ids checked: ``_row_shortcut`` and the shape's ``Fit``)."""
         naive = mode is PlanMode.NAIVE
         jobs, built = [], []
         for req in reqs:
@@ -525,9 +530,10 @@ class Planner:
             rec = self._recipe(token_end, naive, req.local_lens, req.remote_lens, req.first_token)
             jobs.append((rec, req.ids))
             built.append((req, rec, moved))
-        merged = merge_rows(jobs, self._broadcast) if jobs else _NO_ROWS
         plans = []
+        fine = self._rows_follow
         if jobs:
+            merged = merge_rows(jobs, self._broadcast)
             num_sources = len(self.templates)
             seg = segment_bounds(merged, num_sources)
             loc, rem, length, out = self._spreader.spread(merged, seg)
@@ -544,11 +550,13 @@ class Planner:
                     a, b = out[k], out[k + 1]
                     direct = SourcePlan(tpl.source_rank, loc[a:b], rem[a:b], length[a:b], ld, tpl.device_id)
                     sources.append(self._packed(direct, i, tpl, req, rec, moved) if packs else direct)
-                plans.append(self._read_plan(sources, req.num_tokens, mode, req.first_token))
+                plan = self._read_plan(sources, req.num_tokens, mode, req.first_token)
+                fine = fine and rec.fit.holds(rec.head, plan.expected_bytes)  # type: ignore[attr-defined]
+                plans.append(plan)
         it = iter(plans)
         plans = [next(it) if req.num_tokens > 0 else self._read_plan((), req.num_tokens, mode, req.first_token)
                  for req in reqs]
-        return plans, merged
+        return plans, fine and all(p.expected_bytes == 0 for p in plans if p.num_tokens <= 0)
 
     def _packed(self, direct: SourcePlan, index: int, tpl: SourceTemplate, req: _Request, rec: Recipe,
                 moved: int) -> PackSourcePlan:
@@ -581,7 +589,6 @@ _ARRAY = {np.ndarray}
 _SEQUENCES = frozenset((list, tuple))
 _INT64 = np.dtype(np.int64)
 _EMPTY = np.empty(0, dtype=np.int64)
-_NO_ROWS = Merged(np.empty((2, 0), dtype=np.int64), _EMPTY, [0], None, None)
 
 
 def _token_count(num_tokens: object, name: str = "num_tokens") -> int:
@@ -589,20 +596,6 @@ def _token_count(num_tokens: object, name: str = "num_tokens") -> int:
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)) or num_tokens < 0:
         raise PlanError(f"{name}={num_tokens!r} must be a non-negative integer", **{name: num_tokens})
     return int(num_tokens)
-
-
-def _row_limit(descs: Sequence[RankDescriptor], *, disjoint: bool = False) -> int | None:
-    """The bytes past a tensor's base address that every row of it may reach and still lie in its own registered
-    region (batch_rows.rows_fine): the smallest region of ``descs``; None when a region's end passes int64, or,
-    with ``disjoint``, when two regions overlap (rows of two tensors could then overlap)."""
-    limit = min(d.region_bytes for d in descs)
-    for d in descs:
-        starts = sorted(d.tensor_addrs)
-        if starts and starts[-1] + d.region_bytes >= 1 << 63:
-            return None
-        if disjoint and any(b < a + d.region_bytes for a, b in zip(starts, starts[1:], strict=False)):
-            return None
-    return limit
 
 
 def _mode_of(src: SourcePlan | PackSourcePlan, mode: PlanMode) -> PlanMode:

@@ -4,12 +4,16 @@
 check over the whole step does not clear it. Here a reference runs the exact checks on every request, in
 ``plan``'s order, and both planner calls must give the same plan or the same typed error: over requests
 with bad ids of many kinds (and inputs of every accepted type), and over plans whose rows a corrupted
-recipe pushes out of their regions or onto each other (the planner bug ``validate_plan`` is there for).
+recipe pushes out of their regions or onto each other (the planner bug ``validate_plan`` is there for: the
+planner checks a shape's pieces once, batch_rows.Fit, and no request's rows).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_batch_plan import step
@@ -17,7 +21,9 @@ from test_recipe_tail import assert_same
 
 from hybrid_transfer.errors import PlanError
 from hybrid_transfer.layout import KVLayout
+from hybrid_transfer.plan import planner as planner_module
 from hybrid_transfer.plan.planner import Planner
+from hybrid_transfer.plan.templates import SOURCE_SHIFT
 from hybrid_transfer.plan.types import PlanMode
 from hybrid_transfer.plan.validate import block_id_arrays, validate_block_ids, validate_plan
 
@@ -127,23 +133,39 @@ def test_plan_and_plan_many_refuse_what_the_exact_checks_refuse(topology, layout
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(topology=st.sampled_from(TOPOLOGIES), layout=st.sampled_from(list(KVLayout)),
        requests=st.lists(st.tuples(st.integers(1, 5000), st.sampled_from([0.0, 1.0])), min_size=2, max_size=5),
-       side=st.integers(0, 1), delta=st.sampled_from([-1, 1, -(1 << 20), 1 << 30, 1 << 44]),
-       which=st.integers(0, 2**16), seed=st.integers(0, 2**16))
+       side=st.sampled_from(["local_const", "remote_const", "length"]),
+       delta=st.sampled_from([-1, 1, -(1 << 20), 1 << 30, 1 << 44]), which=st.integers(0, 2**16),
+       seed=st.integers(0, 2**16))
 def test_a_corrupted_recipe_gets_the_exact_checks_error(topology, layout, requests, side, delta, which, seed):
-    """A recipe piece moved by ``delta`` bytes (a planner bug): its rows may leave their region, overlap
-    another row, or stay fine; plan and plan_many must say what ``validate_plan`` says of the same rows."""
+    """A recipe piece moved or grown by ``delta`` bytes (a planner bug): its rows may leave their region,
+    overlap another row, move the wrong bytes, or stay fine; plan and plan_many must say what
+    ``validate_plan`` says of the same rows (the shape's Fit is found on the corrupted recipe)."""
     model, consumer, producers, items = step(topology, layout, requests, seed, POOL)
-    planner = Planner(model, consumer, producers)
-    planner.plan_many(items, PlanMode.COALESCED)  # every shape's recipe cached
-    rec = list(planner._recipes.values())[which % len(planner._recipes)]
-    rec.const2[side, which % rec.const2.shape[1]] += delta  # shared by every token end of the shape
-    many = planner.plan_many(items, PlanMode.COALESCED)
-    for i, (local, remote, n) in enumerate(items):
-        plan = planner.plan(local, remote, n, PlanMode.COALESCED, validate=False)
-        try:
-            validate_plan(plan, planner._local_regions, planner._remote_regions)
-            want: object = plan
-        except PlanError as exc:
-            want = exc
-        _assert_same_outcome(_outcome(planner, local, remote, n, PlanMode.COALESCED, 0), want, f"plan {i}")
-        _assert_same_outcome(many[i], want, f"plan_many {i}")
+
+    def corrupted(*args, **kwargs):
+        rec = real(*args, **kwargs)
+        column = getattr(rec, side).copy()
+        # A tail piece's length is each token end's (Recipe.with_tail): a wrong one is not a recipe's to keep.
+        pick = np.setdiff1d(np.arange(column.shape[0]), rec.tail) if side == "length" else np.arange(column.shape[0])
+        if pick.shape[0]:
+            i = pick[which % pick.shape[0]]
+            # A local offset carries its source's tag above SOURCE_SHIFT: a move that borrows from it is another
+            # source's piece, where the batch's sort key (tagged by request) and a lone request's differ.
+            if side == "length" or (int(column[i]) + delta) >> SOURCE_SHIFT == int(column[i]) >> SOURCE_SHIFT:
+                column[i] += delta
+        return dataclasses.replace(rec, **{side: column})
+
+    real = planner_module.recipe
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(planner_module, "recipe", corrupted)
+        many = Planner(model, consumer, producers).plan_many(items, PlanMode.COALESCED)
+        planner = Planner(model, consumer, producers)
+        for i, (local, remote, n) in enumerate(items):
+            plan = Planner(model, consumer, producers).plan(local, remote, n, PlanMode.COALESCED, validate=False)
+            try:
+                validate_plan(plan, planner._local_regions, planner._remote_regions)
+                want: object = plan
+            except PlanError as exc:
+                want = exc
+            _assert_same_outcome(_outcome(planner, local, remote, n, PlanMode.COALESCED, 0), want, f"plan {i}")
+            _assert_same_outcome(many[i], want, f"plan_many {i}")
