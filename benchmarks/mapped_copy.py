@@ -39,6 +39,8 @@ def main() -> None:
     parser.add_argument("--step", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--chunk-kib", type=int, default=None,
+                        help="bytes per kernel program in KiB (default: the engine's, cuda_ipc.CHUNK_BYTES)")
     args = parser.parse_args()
     model = load_preset("qwen3.5-397b-a17b")
     p_tp, d_tp = CASES[args.case]
@@ -54,7 +56,7 @@ def main() -> None:
             t.random_(0, 256)
     consumer = HybridCache.allocate(c_geo, pool_c, dev)
     planner = Planner(model, describe_cache(consumer), [describe_cache(p) for p in producers])
-    copier = RangeCopier(dev)
+    copier = RangeCopier(dev) if args.chunk_kib is None else RangeCopier(dev, args.chunk_kib << 10)
     print(f"{args.case} {args.tokens} tokens, {args.step} requests per step, decode rank 0")
     print("frag  ranges  MB/step  table_us  upload_us  launch_us  cpu_us/req  gpu_ms   GB/s  contig_GB/s  /contig  bad")
     for frag in (float(f) for f in args.frag.split(",")):

@@ -139,7 +139,7 @@ def chunk_table(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, chunk: in
 class RangeCopier:
     """One consumer's gather kernel over mapped GPU memory, on its own stream; ``copy`` returns an event."""
 
-    def __init__(self, device):
+    def __init__(self, device, chunk_bytes: int = CHUNK_BYTES):
         import torch
 
         try:
@@ -149,6 +149,7 @@ class RangeCopier:
         self._torch = torch
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(device=self.device)
+        self.chunk_bytes = int(chunk_bytes)  # bytes per kernel program (benchmarks/mapped_copy.py --chunk-kib)
         self._slots: collections.deque = collections.deque()  # (pinned, device table, event) in use, oldest first
         self.launches = 0
         # Worker-thread seconds of the last copy: (chunk table, upload, kernel launch and event), for the bench.
@@ -163,7 +164,7 @@ class RangeCopier:
         keep = lengths > 0
         if not keep.all():
             dst, src, lengths = dst[keep], src[keep], lengths[keep]
-        table = chunk_table(dst, src, lengths)
+        table = chunk_table(dst, src, lengths, self.chunk_bytes)
         n = int(table.shape[1])
         width = element_bytes(dst, src, lengths) if n else 1
         t1 = t2 = time.perf_counter()
