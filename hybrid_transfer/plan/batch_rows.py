@@ -255,6 +255,14 @@ class IdCheck:
             return True
         if _min(flat) < 0:
             return False
+        if len(sizes) == 2:  # one request: its range read off the sorted ids, without a max over them
+            keyed = flat + self._window(sizes)
+            keyed.sort()
+            nl = sizes[0]
+            # Every id >= 0, so remote ids key at >= width: the nl smallest are the local ids, the rest remote.
+            if (nl and keyed[nl - 1] >= self.local_blocks) or (sizes[1] and keyed[-1] >= self._width + self.remote_blocks):
+                return False
+            return not np.count_nonzero(keyed[1:] == keyed[:-1])
         if _max(flat) >= min(self.local_blocks, self.remote_blocks) and not self._in_range(flat, sizes):
             return False
         keyed = flat + self._window(sizes)

@@ -151,6 +151,7 @@ class Planner:
                                     np.array([[self._local_page], [self._remote_page]], dtype=np.int64),
                                     len(self.templates), self._group_tensors is not None)
         self._rows_follow = self._row_shortcut()
+        self._kv_layout_name = self.local.kv_layout.value  # an enum's value is a property: cached for every plan
         self._spreader = Spreader(self._broadcast)
         self._id_check = IdCheck(self.local_desc.num_blocks, self._remote_num_blocks)
         self._counts: dict[tuple, bool] = {}  # _counts_fine per (list lengths, blocks needed)
@@ -219,7 +220,7 @@ class Planner:
     def planned_bytes(self, num_tokens: int, mode: PlanMode = PlanMode.COALESCED, first_token: int = 0) -> int:
         """Bytes a plan of ``mode`` moves: the valid payload, except naive, which moves whole pages like vLLM,
         and a partial kernel page of an interior that is not token-major, which moves whole."""
-        if PlanMode(mode) is PlanMode.NAIVE:
+        if mode is PlanMode.NAIVE or (type(mode) is not PlanMode and PlanMode(mode) is PlanMode.NAIVE):
             end = naive_token_end(num_tokens, self.local, self.remote)
         else:
             end = self.local.moved_token_end(num_tokens)
@@ -308,16 +309,18 @@ class Planner:
         consumer's converted ids) or lists or tuples of Python ints (a ticket's), which convert in one; any
         other input takes ``block_id_arrays`` itself, which raises what a bad one gets."""
         if len(block_ids) == len(self._kinds):  # type: ignore[arg-type]
-            groups = tuple(block_ids)  # type: ignore[call-overload]
-            kinds = {type(g) for g in groups}
+            groups = list(block_ids)  # type: ignore[call-overload]
+            kinds = set(map(type, groups))
             if kinds == _ARRAY:
-                if all(g.dtype is _INT64 and g.ndim == 1 for g in groups):
-                    return list(groups), tuple(g.shape[0] for g in groups)
-            elif kinds <= _SEQUENCES and set(map(type, chain.from_iterable(groups))) <= _PLAIN_INT:
-                try:
-                    return [np.array(list(chain.from_iterable(groups)), dtype=np.int64)], tuple(map(len, groups))
-                except OverflowError:  # past int64: block_id_arrays decides what it is
-                    pass
+                if set(map(_dtype_of, groups)) == _INT64_1D:
+                    return groups, tuple(map(len, groups))
+            elif kinds <= _SEQUENCES:
+                flat = list(chain.from_iterable(groups))
+                if set(map(type, flat)) <= _PLAIN_INT:
+                    try:
+                        return [np.array(flat, dtype=np.int64)], tuple(map(len, groups))
+                    except OverflowError:  # past int64: block_id_arrays decides what it is
+                        pass
         arrays = block_id_arrays(side, block_ids, len(self._kinds))  # type: ignore[arg-type]
         return arrays, tuple(a.shape[0] for a in arrays)
 
@@ -391,7 +394,7 @@ class Planner:
             num_tokens=num_tokens,
             expected_bytes=self.planned_bytes(num_tokens, mode, first_token),
             meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
-                  "valid_bytes": self.expected_bytes(num_tokens, first_token), "kv_layout": self.local.kv_layout.value,
+                  "valid_bytes": self.expected_bytes(num_tokens, first_token), "kv_layout": self._kv_layout_name,
                   "first_token": first_token},
         )
 
@@ -587,7 +590,11 @@ class _Request(NamedTuple):
 _PLAIN_INT = frozenset((int,))
 _ARRAY = {np.ndarray}
 _SEQUENCES = frozenset((list, tuple))
-_INT64 = np.dtype(np.int64)
+_INT64_1D = {(np.dtype(np.int64), 1)}
+
+
+def _dtype_of(a: np.ndarray) -> tuple[np.dtype, int]:
+    return a.dtype, a.ndim
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
