@@ -44,10 +44,17 @@ class Broadcast:
     def num_tensors(self) -> int:
         return self.bases.shape[1]
 
+    local_region: int  # bytes of a local tensor's region: its offsets are below it
+
     @property
     def request_shift(self) -> int:
         """Bit of the request tag in a sort key: above the local offsets and their source tag."""
         return SOURCE_SHIFT + self.num_sources.bit_length()
+
+    @property
+    def max_tagged(self) -> int:
+        """The most requests a sort key can tag (0 when local offsets reach the source tag's bits)."""
+        return 0 if self.local_region >> SOURCE_SHIFT else (1 << (63 - self.request_shift)) - 1
 
 
 @dataclass
@@ -143,8 +150,10 @@ def merge_rows(jobs: Sequence[tuple[Recipe, np.ndarray]], bc: Broadcast) -> Merg
         offs += np.concatenate([rec.const2 for rec in recs], axis=1)
         length = np.concatenate([rec.length for rec in recs])
         key = None if recs[0].key is None else np.concatenate([rec.key for rec in recs])
-        req = np.repeat(np.arange(len(jobs), dtype=np.int64), counts)
-        order = (offs[0] + (req << bc.request_shift)).argsort(kind="stable")
+        if len(jobs) <= bc.max_tagged:
+            order = (offs[0] + np.repeat(_request_tags(len(jobs), bc.request_shift), counts)).argsort(kind="stable")
+        else:  # a request tag would not fit above the offsets: sort on (request, offset) pairs
+            order = np.lexsort((offs[0], np.repeat(np.arange(len(jobs), dtype=np.int64), counts)))
     n = length.shape[0]
     if n == 0:
         return Merged(np.empty((2, 0), dtype=np.int64), length[:0], [0] * (len(jobs) + 1),
@@ -174,6 +183,17 @@ def merge_rows(jobs: Sequence[tuple[Recipe, np.ndarray]], bc: Broadcast) -> Merg
         ntens = bc.num_tensors - (s[1] >> SOURCE_SHIFT)
         s[1] &= SOURCE_MASK
     return Merged(s, ln, bounds, src, ntens)
+
+
+def _request_tags(count: int, shift: int) -> np.ndarray:
+    """Each request's tag in a sort key (its index at bit ``shift``), for the first ``count`` requests."""
+    tags = _TAGS.get(shift)
+    if tags is None or tags.shape[0] < count:
+        tags = _TAGS[shift] = np.arange(max(count, 256), dtype=np.int64) << shift
+    return tags[:count]
+
+
+_TAGS: dict[int, np.ndarray] = {}
 
 
 def segment_bounds(m: Merged, num_sources: int) -> list[int]:
@@ -206,7 +226,7 @@ class Spreader:
             rem = (bc.remote_base[:, m.src] + m.rows[1]).ravel()
         if len(seg) == 2 and m.ntens is None:  # one segment: the [tensor, row] block as it is
             return loc, rem, m.length[None, :].repeat(t, axis=0).ravel(), [0, loc.shape[0]]
-        idx, col, tensor = self._gather(tuple(np.diff(seg).tolist()), t)
+        idx, col, tensor = self._gather(tuple(b - a for a, b in zip(seg, seg[1:], strict=False)), t)
         loc, rem, length = loc[idx], rem[idx], m.length[col]
         if m.ntens is None:
             return loc, rem, length, [t * b for b in seg]

@@ -149,7 +149,7 @@ class Planner:
         self._broadcast = Broadcast(np.stack((self._local_base, self._remote_base[:, 0]))[:, :, None],
                                     self._remote_base,
                                     np.array([[self._local_page], [self._remote_page]], dtype=np.int64),
-                                    len(self.templates), self._group_tensors is not None)
+                                    len(self.templates), self._group_tensors is not None, local.region_bytes)
         self._rows_follow = self._row_shortcut()
         self._kv_layout_name = self.local.kv_layout.value  # an enum's value is a property: cached for every plan
         self._spreader = Spreader(self._broadcast)

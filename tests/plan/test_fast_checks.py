@@ -169,3 +169,17 @@ def test_a_corrupted_recipe_gets_the_exact_checks_error(topology, layout, reques
                 want = exc
             _assert_same_outcome(_outcome(planner, local, remote, n, PlanMode.COALESCED, 0), want, f"plan {i}")
             _assert_same_outcome(many[i], want, f"plan_many {i}")
+
+
+def test_a_step_too_large_to_tag_by_request_sorts_on_pairs_and_gets_the_same_plans():
+    """Past ``Broadcast.max_tagged`` requests (or local regions reaching the tag's bits) the step's sort runs on
+    (request, offset) pairs: the same plans as the tagged sort."""
+    model, consumer, producers, items = step(TOPOLOGIES[1], KVLayout.INTERLEAVED, [(3000, 1.0), (1, 0.0), (4096, 0.5)],
+                                             7, POOL)
+    tagged = Planner(model, consumer, producers)
+    paired = Planner(model, consumer, producers)
+    paired._broadcast = dataclasses.replace(paired._broadcast, local_region=1 << 48)
+    assert paired._broadcast.max_tagged == 0 < tagged._broadcast.max_tagged
+    for got, want in zip(paired.plan_many(items, PlanMode.COALESCED), tagged.plan_many(items, PlanMode.COALESCED),
+                         strict=True):
+        assert_same(got, want, "pairs")
