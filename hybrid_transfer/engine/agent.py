@@ -404,6 +404,12 @@ class NixlAgent:
                 xfer.state, xfer.error = XferState.ERR, exc
         return xfer.state
 
+    @property
+    def check_scope(self) -> int:
+        """The number of the one_check_per_handle block being run, or -1 outside one (for the mapped reads'
+        checks, engine/mapped/transport.py, which follow the same rule)."""
+        return self._scope
+
     @contextmanager
     def one_check_per_handle(self):
         """Within this block each READ's state is asked of NIXL at most once (a consumer's poll: its pack

@@ -29,7 +29,10 @@ from hybrid_transfer.errors import MappingError, UnsupportedError
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 256 << 10  # bytes per kernel program (gpu_copy_paths.py's chunk)
+# Bytes per kernel program. Measured on one H200 (benchmarks/mapped_copy.py --chunk-kib, P1->D1 frag 1, 16 per
+# step, docs/benchmarks.md#issue-28-second): 256 KiB gave 0.87 of a contiguous copy and 0.53 ms of chunk table,
+# 1 MiB 0.95 and 0.22 ms (P2->D8: 0.84 against 0.76), 4 MiB no better than 1 MiB.
+CHUNK_BYTES = 1 << 20
 BLOCK = 1024  # elements per program iteration
 _SLOTS = 8  # tables in flight per copier before the oldest is waited for
 

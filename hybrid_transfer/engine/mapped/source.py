@@ -21,7 +21,8 @@ from hybrid_transfer.errors import EngineError, MappingError, PeerDisconnectedEr
 class MappedRead:
     """A READ posted over a mapping: NIXL's XferHandle's fields, its completion the end of the call or an event."""
 
-    __slots__ = ("peer", "state", "num_descriptors", "num_bytes", "error", "event", "shares", "posted", "kind")
+    __slots__ = ("peer", "state", "num_descriptors", "num_bytes", "error", "event", "shares", "posted", "kind",
+                 "checked_in")
 
     def __init__(self, peer: str, kind: str, num_descriptors: int, num_bytes: int, event=None):
         self.peer = peer
@@ -33,14 +34,19 @@ class MappedRead:
         self.error: EngineError | None = None
         self.shares = 0  # SharedRead views not yet let go (engine/agent.py)
         self.posted = True
+        self.checked_in = -1  # the check scope its event was last queried in (NixlAgent.check_scope)
 
     @property
     def is_released(self) -> bool:
         return self.state is XferState.RELEASED
 
-    def poll(self) -> XferState:
-        if self.state is XferState.PROC and self.event.query():
-            self.state = XferState.DONE
+    def poll(self, scope: int = -1) -> XferState:
+        """DONE once the event has passed; inside a check scope (``scope`` >= 0) the event is queried once:
+        every request of a step shares this READ, and a poll looks at each of them."""
+        if self.state is XferState.PROC and (scope < 0 or self.checked_in != scope):
+            self.checked_in = scope
+            if self.event.query():
+                self.state = XferState.DONE
         return self.state
 
     def can_free(self) -> bool:

@@ -167,7 +167,7 @@ class ReadTransports:
     def check(self, handle) -> XferState:
         base = handle.base if isinstance(handle, SharedRead) else handle
         if isinstance(base, MappedRead):
-            return base.poll()
+            return base.poll(self.nixl.check_scope)
         return self.nixl.check(handle)
 
     def one_check_per_handle(self):
