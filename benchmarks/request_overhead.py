@@ -168,7 +168,7 @@ def _consumer(conn, preset, decode_tp, num_blocks, tokens, reps, device, profile
         stats.sort_stats("tottime").print_stats(25)
         stats.sort_stats("cumulative").print_stats(45)
         if os.environ.get("HT_OVERHEAD_PROFILE_OUT"):  # the whole profile, for pstats
-            stats.dump_stats(f"{os.environ['HT_OVERHEAD_PROFILE_OUT']}.{batching}")
+            stats.dump_stats(f"{os.environ['HT_OVERHEAD_PROFILE_OUT']}.single")
     conn.send(rows)
     consumer.close()
 
