@@ -330,7 +330,7 @@ class Consumer(ProducerNotes):
         if not ready:  # a ready link's planner validates both sides: each id is checked once
             validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
                                self.cache.num_blocks, exact=False)
-        return read_batch.Checked(ticket, ids, signed, known, ready, first_token, digest)
+        return read_batch.Checked(ticket, ids, signed, known, ready, digest, first_token)
 
     def _register(self, c: read_batch.Checked, plan: ReadPlan | Exception | None) -> tuple | None:
         """Own the request's blocks and track it; (request, plan) when it can be posted now.
@@ -346,14 +346,14 @@ class Consumer(ProducerNotes):
         owners = self._owners
         if not all(owners.keys().isdisjoint(group) for group in written):
             busy = [b for group in written for b in group if b in owners]
-            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owners[b] for b in busy])
+            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[owners[b] for b in busy])
         now = self._clock()
         link = self._link_for(ticket) if c.signed else EngineLink(ticket.engine_key, ticket.addresses, now,
                                                                    LinkState.FAILED, cause="mac")
         if isinstance(plan, Exception):
             raise plan  # PlanError: nothing registered yet
         req = ReadRequest(rid, ticket, local, link, started_at=now, deadline=now + self.config.read_deadline_s,
-                          changed_at=now, digest=c.digest or claims.digest_of(ticket),  # the MAC check's
+                          changed_at=now, digest=c.digest,  # the MAC check's
                           first_token=c.first_token, written_block_ids=written)
         self._requests[rid] = req
         for group in written:
@@ -732,15 +732,10 @@ class Consumer(ProducerNotes):
             if req.state not in TERMINAL:
                 continue
             del self._requests[req.request_id]
-            owners, rid = self._owners, req.request_id
             for group in req.written_block_ids:
-                if all(owners.get(b) == rid for b in group):  # the usual case: every block still this request's
-                    for b in group:
-                        del owners[b]
-                else:
-                    for b in group:
-                        if owners.get(b) == rid:
-                            del owners[b]
+                for b in group:
+                    if self._owners.get(b) == req.request_id:
+                        del self._owners[b]
             results.append(ReadResult(req.request_id, req.state, req.written_block_ids, req.num_bytes,
                                       req.num_descriptors, req.started_at, req.changed_at, req.error, req.cause,
                                       **self._pack.result_fields(req.request_id)))

@@ -16,6 +16,7 @@ from hybrid_transfer.engine import wire
 from hybrid_transfer.engine.addresses import parse_address, shown
 from hybrid_transfer.engine.wire import MAX_NAME_CHARS, MAX_NONCE, MAX_REQUEST_ID_CHARS
 from hybrid_transfer.errors import ConfigError, PlanError, TicketError, WireDecodeError
+from hybrid_transfer.plan.validate import plain_int64s
 
 
 def is_integer(value: object) -> bool:
@@ -64,13 +65,13 @@ def engine_id(value: object) -> str:
 
 def block_id_lists(side: str, block_ids_per_group: object) -> None:
     """Every group a flat sequence (or array) of integers; the planner's checks of counts and ranges follow."""
-    if type(block_ids_per_group) in (list, tuple):
-        if all(type(ids) in (list, tuple) and _plain_int64s(ids) for ids in block_ids_per_group):
-            return  # the common case, checked in C: lists of exact ints within int64
-    elif isinstance(block_ids_per_group, (str, bytes)) or not isinstance(block_ids_per_group, (Sequence, np.ndarray)):
+    if type(block_ids_per_group) not in (list, tuple) and (isinstance(block_ids_per_group, (str, bytes)) or
+                                                          not isinstance(block_ids_per_group, (Sequence, np.ndarray))):
         raise PlanError(f"{side} block ids must be one sequence of integers per cache group, got "
                         f"{block_ids_per_group!r}", side=side, block_ids=block_ids_per_group)
     for group, ids in enumerate(block_ids_per_group):
+        if type(ids) in (list, tuple) and plain_int64s(ids):
+            continue  # the common case, checked in C: every id an exact int within int64
         if isinstance(ids, np.ndarray):
             if ids.ndim != 1 or ids.dtype.kind not in "iu":
                 raise PlanError(f"{side} group {group}: block ids must be a flat list of integers, got an array "
@@ -79,8 +80,6 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
         if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
             raise PlanError(f"{side} group {group}: block ids must be a flat list of integers, got {ids!r}",
                             side=side, group=group, block_ids=ids)
-        if type(ids) in (list, tuple) and _plain_int64s(ids):
-            continue  # the common case, checked in C: every id an exact int within int64
         for b in ids:
             if type(b) is not int and not is_integer(b):  # the exact-type test keeps long lists cheap
                 raise PlanError(f"{side} group {group}: block ids must be integers (not bools), got {shown(b)} in "
@@ -88,11 +87,6 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
             if int(b).bit_length() > 63:  # numpy cannot hold it, and Python cannot print it past 4,300 digits
                 raise PlanError(f"{side} group {group}: block id {shown(int(b))} is out of range", side=side,
                                 group=group, block_ids=ids)
-
-
-def _plain_int64s(ids: list | tuple) -> bool:
-    """Every element an exact ``int`` (so no bool) inside int64: set, min and max run in C."""
-    return not ids or (set(map(type, ids)) == {int} and min(ids) > -(1 << 63) and max(ids) < (1 << 63))
 
 
 # ---- tickets (issue 19): what a client's request may make a consumer do is bounded here -----------------

@@ -52,8 +52,8 @@ class Checked(NamedTuple):
     signed: bool
     known: Any  # the EngineLink of the ticket's engine, or None
     ready: bool  # ``known`` is ready and at the ticket's addresses: plan now
+    digest: bytes  # claims.digest_of(ticket), computed once for the MAC check and the claim
     first_token: int = 0
-    digest: bytes = b""  # claims.digest_of(ticket), computed once for the MAC check and the claim
 
 
 @dataclass(frozen=True)

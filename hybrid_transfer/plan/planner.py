@@ -55,6 +55,7 @@ from hybrid_transfer.plan.validate import (
     RegionTable,
     block_id_arrays,
     check_first_token,
+    plain_int64s,
     validate_block_ids,
     validate_plan,
 )
@@ -267,7 +268,7 @@ class Planner:
         reqs: list[_Request] = []
         for i, (local, remote, n, *first) in enumerate(items):
             try:
-                reqs.append(self._parse(local, remote, n, first[0] if first else 0, mode, ids_first=len(items) > 1))
+                reqs.append(self._parse(local, remote, n, first[0] if first else 0, mode))
             except PlanError as exc:
                 out[i] = exc
                 continue
@@ -289,16 +290,13 @@ class Planner:
         return out  # type: ignore[return-value]
 
     def _parse(self, local: object, remote: object, num_tokens: object, first_token: object,
-               mode: PlanMode, *, ids_first: bool = False) -> _Request:
-        """A request's count, prefix hit and ids, checked first: the typed errors of a bad count, first token,
-        group count or id type. ``plan`` reads the prefix hit before the ids; ``plan_many`` of several requests
-        has read the ids first (``ids_first``), which decides the error of a request bad in both ways."""
+               mode: PlanMode) -> _Request:
+        """A request's count, prefix hit and ids, checked in that order (``plan`` and ``plan_many`` alike): the
+        typed errors of a bad count, first token, group count or id type."""
         count = _token_count(num_tokens)
-        first = None if ids_first else self._first_token(first_token, count, mode)
+        first = self._first_token(first_token, count, mode)
         parts_l, local_lens = self._id_parts("local", local)
         parts_r, remote_lens = self._id_parts("remote", remote)
-        if first is None:
-            first = self._first_token(first_token, count, mode)
         parts = parts_l + parts_r
         ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
         return _Request(count, first, ids, sum(local_lens), local_lens, remote_lens, local, remote)
@@ -316,11 +314,8 @@ class Planner:
                     return groups, tuple(map(len, groups))
             elif kinds <= _SEQUENCES:
                 flat = list(chain.from_iterable(groups))
-                if set(map(type, flat)) <= _PLAIN_INT:
-                    try:
-                        return [np.array(flat, dtype=np.int64)], tuple(map(len, groups))
-                    except OverflowError:  # past int64: block_id_arrays decides what it is
-                        pass
+                if plain_int64s(flat):
+                    return [np.array(flat, dtype=np.int64)], tuple(map(len, groups))
         arrays = block_id_arrays(side, block_ids, len(self._kinds))  # type: ignore[arg-type]
         return arrays, tuple(a.shape[0] for a in arrays)
 
@@ -587,7 +582,6 @@ class _Request(NamedTuple):
     remote: object
 
 
-_PLAIN_INT = frozenset((int,))
 _ARRAY = {np.ndarray}
 _SEQUENCES = frozenset((list, tuple))
 _INT64_1D = {(np.dtype(np.int64), 1)}
@@ -595,6 +589,8 @@ _INT64_1D = {(np.dtype(np.int64), 1)}
 
 def _dtype_of(a: np.ndarray) -> tuple[np.dtype, int]:
     return a.dtype, a.ndim
+
+
 _EMPTY = np.empty(0, dtype=np.int64)
 
 

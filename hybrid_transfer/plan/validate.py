@@ -64,6 +64,15 @@ def check_first_token(first_token: int, num_tokens: int, block_size: int) -> int
     return first_token
 
 
+def plain_int64s(ids: Sequence) -> bool:
+    """Every element an exact ``int`` (so no bool, no numpy scalar) inside int64, checked in C (set, min, max):
+    the common form of block ids, which then convert to int64 without a check per id."""
+    return not ids or (set(map(type, ids)) == _EXACT_INT and min(ids) > -(1 << 63) and max(ids) < (1 << 63))
+
+
+_EXACT_INT = {int}
+
+
 def block_id_arrays(side: str, block_ids: Sequence[Sequence[int]], num_groups: int) -> list[np.ndarray]:
     """Per-group int64 arrays; rejects a wrong group count and non-integer ids."""
     if len(block_ids) != num_groups:
