@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import auth, claims, inputs, metrics, read_batch, wire
 from hybrid_transfer.engine.addresses import AllowedProducers
-from hybrid_transfer.engine.agent import NixlAgent, XferState
+from hybrid_transfer.engine.agent import NixlAgent, SharedRead, XferState
 from hybrid_transfer.engine.config import EngineConfig
 from hybrid_transfer.engine.consumer_notes import ProducerNotes
 from hybrid_transfer.engine.declines import MAX_PENDING_DECLINES, Declines
@@ -173,7 +173,9 @@ class Consumer(ProducerNotes):
         self.failure_causes: Counter[str] = Counter()  # FailureCause value -> requests reported FAILED with it
         self.fences = StepFences()
         self._quarantine = Quarantine(self.fences)
-        self._owners: dict[int, str] = {}  # local block id -> the not yet reported request that owns it
+        # Local blocks some not yet reported request writes (its written_block_ids): one owner each, as
+        # _register refuses a block already here; a request's leave this set when it is reported.
+        self._owned: set[int] = set()
         self._tombstones = Tombstones()
         self._records = self._peers.records  # producer agent -> its one record (stage, link, error when GONE)
         self._log = LogGate(log, self._clock)  # repeated warnings: one line per cause per interval
@@ -343,10 +345,10 @@ class Consumer(ProducerNotes):
         hit_blocks = c.first_token // self.geometry.block_size
         written = tuple(ids[hit_blocks:] if kind is LayerKind.ATTENTION else ids
                         for kind, ids in zip(self._kinds, local, strict=True)) if hit_blocks else local
-        owners = self._owners
-        if not all(owners.keys().isdisjoint(group) for group in written):
-            busy = [b for group in written for b in group if b in owners]
-            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[owners[b] for b in busy])
+        owned = self._owned
+        if not all(owned.isdisjoint(group) for group in written):
+            busy = [b for group in written for b in group if b in owned]
+            raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owner_of(b) for b in busy])
         now = self._clock()
         link = self._link_for(ticket) if c.signed else EngineLink(ticket.engine_key, ticket.addresses, now,
                                                                    LinkState.FAILED, cause="mac")
@@ -357,7 +359,7 @@ class Consumer(ProducerNotes):
                           first_token=c.first_token, written_block_ids=written)
         self._requests[rid] = req
         for group in written:
-            owners.update(dict.fromkeys(group, rid))
+            owned.update(group)
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
         elif not c.signed:  # edited, or not signed under our secret: read nothing, connect nowhere
@@ -676,7 +678,7 @@ class Consumer(ProducerNotes):
         """
         # A partial kernel page of an interior that is not token-major moves whole (docs/attention-layouts.md).
         needed = self._expected_bytes(self.geometry.moved_token_end(req.ticket.num_tokens), req.first_token)
-        fields = self._pack.result_fields(req.request_id)
+        fields = req.result_fields = self._pack.result_fields(req.request_id)
         if not metrics.bytes_agree(self.config.mode, req.num_bytes, needed, bool(fields.get("num_packed_sources"))):
             self._recorder.byte_mismatches += 1
             self._end(req, ByteCountError(local_bytes=req.num_bytes, remote_bytes=req.num_bytes,
@@ -685,7 +687,9 @@ class Consumer(ProducerNotes):
         self._recorder.on_done(needed, req.num_bytes, req.num_descriptors,
                                now - (fields.get("posted_at") or req.started_at))
         self._tell_producers(req, wire.CompletionKind.DONE)
-        leftovers = [h for h in req.handles if not self.reads.release(h)]
+        # A share of a READ others still hold is no leftover: the last sharer's release frees the READ (each
+        # sharer is a live request, which lets go of its share when it ends).
+        leftovers = [h for h in req.handles if not self.reads.release(h) and not _held_by_others(h)]
         if leftovers:  # DONE handles write nothing more; NIXL lets go of them on a later poll
             self._leftovers += 1
             self._quarantine.add(f"\0done:{self._leftovers}", (), leftovers)
@@ -733,14 +737,17 @@ class Consumer(ProducerNotes):
                 continue
             del self._requests[req.request_id]
             for group in req.written_block_ids:
-                for b in group:
-                    if self._owners.get(b) == req.request_id:
-                        del self._owners[b]
+                self._owned.difference_update(group)  # each was this request's alone (_register)
             results.append(ReadResult(req.request_id, req.state, req.written_block_ids, req.num_bytes,
                                       req.num_descriptors, req.started_at, req.changed_at, req.error, req.cause,
-                                      **self._pack.result_fields(req.request_id)))
+                                      **(req.result_fields or self._pack.result_fields(req.request_id))))
             self._pack.forget(req.request_id)  # terminal: no handle writes its staging any more
         return results
+
+    def _owner_of(self, block_id: int) -> str:
+        """The not yet reported request that writes ``block_id`` (for BlockBusyError; never on the hot path)."""
+        return next((r.request_id for r in self._requests.values()
+                     if any(block_id in group for group in r.written_block_ids)), "?")
 
     def _tell_producers(self, req: ReadRequest, kind: wire.CompletionKind) -> None:
         """Tell every producer rank the request depends on that this rank is finished with it (docs/lifecycle.md#who-notifies-whom)."""
@@ -811,6 +818,12 @@ class Consumer(ProducerNotes):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _held_by_others(handle) -> bool:
+    """A DONE SharedRead this request let go of while other requests of its step still hold the READ."""
+    return isinstance(handle, SharedRead) and handle.dropped and handle.base.shares > 0 \
+        and handle.state is XferState.DONE
 
 
 def _device_setter(device) -> Callable[[], None]:

@@ -230,9 +230,13 @@ def _post_read(consumer: Any, peer: str, read: SourceBatch, reqs: Sequence[Any],
             consumer._on_post_error(reqs[i], peer, exc, now)
         return
     consumer.stats.reads_posted += 1
-    lengths = local[:, 1]
-    for i, a, b in rows:
-        share = SharedRead(handle, b - a, int(lengths[a:b].sum()))
+    # Each request's bytes from one cumulative sum: its rows are the slice [a, b) of the READ's.
+    ends = np.zeros(local.shape[0] + 1, np.int64)
+    np.cumsum(local[:, 1], out=ends[1:])
+    bounds = np.array([(a, b) for _, a, b in rows], np.int64)
+    row_bytes = (ends[bounds[:, 1]] - ends[bounds[:, 0]]).tolist()
+    for (i, a, b), num_bytes in zip(rows, row_bytes, strict=True):
+        share = SharedRead(handle, b - a, num_bytes)
         req = reqs[i]
         req.handles.append(share)
         req.num_bytes += share.num_bytes

@@ -96,6 +96,7 @@ class ReadRequest:
     # The blocks the read writes: local_block_ids less the prefix hit's attention blocks, which other requests
     # may share and nothing here writes. Owned, quarantined and reported; () until registered.
     written_block_ids: tuple[tuple[int, ...], ...] = ()
+    result_fields: dict | None = None  # DONE: PackReader.result_fields, taken once when it completed
 
 
 @dataclass(eq=False)

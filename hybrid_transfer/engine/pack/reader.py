@@ -359,6 +359,9 @@ class PackReader:
         if track is None:
             return {}
         done = track.read_done_at
+        if not track.sources and not track.fallbacks and not track.unstaged:  # read directly: no pack fields
+            return {"posted_at": track.posted_at, "read_s": (done - track.posted_at) if done is not None else 0.0,
+                    "scatter_s": track.scatter_s}
         return {
             "posted_at": track.posted_at,
             "gather_s": max((s.gather_s for s in track.sources.values()), default=0.0),
