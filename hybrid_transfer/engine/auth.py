@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import hashlib
 import hmac
 import logging
 import os
@@ -110,12 +109,14 @@ def new_nonce() -> bytes:
 
 
 def _mac(key: bytes, label: bytes, *parts: bytes | str) -> bytes:
-    h = hmac.new(key, label, hashlib.sha256)
-    for part in parts:  # length-prefixed, so no two part lists hash alike
+    """HMAC-SHA256 of ``label`` then each part, length-prefixed so that no two part lists hash alike; the
+    message is joined first and hashed in one C call (every notification both ways is sealed and checked)."""
+    pieces = [label]
+    for part in parts:
         data = part.encode() if isinstance(part, str) else part
-        h.update(len(data).to_bytes(4, "big"))
-        h.update(data)
-    return h.digest()
+        pieces.append(len(data).to_bytes(4, "big"))
+        pieces.append(data)
+    return hmac.digest(key, b"".join(pieces), "sha256")
 
 
 def proof(secret: bytes, role: str, cn: bytes, sn: bytes, producer_agent: str, consumer_agent: str) -> bytes:

@@ -403,9 +403,12 @@ _BODY_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in _BODY_OF_K
 _TICKET_DECODER = msgspec.msgpack.Decoder(Ticket)
 
 
+_KIND_OF_BODY = {cls: kind for kind, cls in _BODY_OF_KIND.items()}
+
+
 def encode(body: Body, fingerprint: str) -> bytes:
     """Wrap a body in an Envelope of the current protocol version."""
-    kind = next(k for k, cls in _BODY_OF_KIND.items() if isinstance(body, cls))
+    kind = _KIND_OF_BODY.get(type(body)) or next(k for k, cls in _BODY_OF_KIND.items() if isinstance(body, cls))
     return _ENCODER.encode(Envelope(PROTOCOL_VERSION, fingerprint, kind, _ENCODER.encode(body)))
 
 

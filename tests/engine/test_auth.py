@@ -546,3 +546,21 @@ def test_no_repr_reachable_from_an_authenticated_pair_shows_a_key(secret_file):
             leaked = [n for n in needles if n in text]
             assert not leaked, f"repr of a {type(obj).__name__} shows a key"
         assert shown > 200
+
+
+@settings(max_examples=60, deadline=None)
+@given(key=st.binary(min_size=1, max_size=64), label=st.binary(max_size=16),
+       parts=st.lists(st.one_of(st.binary(max_size=80), st.text(max_size=20)), max_size=6))
+def test_the_one_call_mac_is_the_length_prefixed_hmac_of_label_then_parts(key, label, parts):
+    import hashlib
+    import hmac
+
+    streamed = hmac.new(key, label, hashlib.sha256)  # the MAC as the wire defines it, fed part by part
+    for part in parts:
+        data = part.encode() if isinstance(part, str) else part
+        streamed.update(len(data).to_bytes(4, "big"))
+        streamed.update(data)
+    assert auth._mac(key, label, *parts) == streamed.digest()
+    if len(parts) >= 2:  # the length prefix keeps a moved boundary from hashing alike
+        first = [p.encode() if isinstance(p, str) else p for p in parts[:2]]
+        assert auth._mac(key, label, first[0] + first[1], *parts[2:]) != auth._mac(key, label, *parts)

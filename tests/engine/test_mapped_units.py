@@ -183,6 +183,32 @@ def test_a_mapping_refuses_ranges_outside_its_regions_and_every_post_once_invali
     assert source.close() == [] and not source.is_valid
 
 
+class _At:
+    def __init__(self, addr):
+        self.addr = addr
+
+    def close(self):
+        pass
+
+
+@settings(max_examples=80, deadline=None)
+@given(ranges=st.lists(st.tuples(st.integers(0, 3), st.integers(-64, 4200), st.integers(0, 200)), max_size=12))
+def test_one_lookup_translates_exactly_the_ranges_covers_accepts(ranges):
+    # Three regions of 4 KiB with gaps, offered out of order; each range is (region, offset, length), the offset
+    # may fall before its region or run past it. Oracle: per range, the region whose span holds it whole.
+    bases, here = [3 << 20, 1 << 20, 2 << 20], [7 << 30, 5 << 30, 6 << 30]
+    source = MappedSource("prefill-p0", "shm", bases, [4096] * 3, [_At(a) for a in here])
+    addr = np.asarray([bases[r % 3] + off for r, off, _ in ranges], np.int64)
+    length = np.asarray([n for _, _, n in ranges], np.int64)
+    inside = [next((k for k, b in enumerate(bases) if b <= a and a + n <= b + 4096), None)
+              for a, n in zip(addr.tolist(), length.tolist(), strict=True)]
+    got = source.translate_covered(addr, length)
+    assert source.covers(addr, length) == (got is not None) == all(k is not None for k in inside)
+    if got is not None:
+        want = [here[k] + a - bases[k] for k, a in zip(inside, addr.tolist(), strict=True)]
+        assert got.tolist() == want == source.translate(addr, length).tolist()
+
+
 def test_a_segment_name_from_a_peer_must_be_one_of_ours_and_opens_read_only(tmp_path):
     for hostile in ("../etc/passwd", "ht-1-" + "g" * 32, "ht-1-" + "0" * 31, "/dev/shm/ht-1-" + "0" * 32):
         with pytest.raises(MappingError):

@@ -76,8 +76,15 @@ class MappedSource:
 
     def covers(self, remote_addr: np.ndarray, length: np.ndarray) -> bool:
         """Whether every range lies inside one offered region (staging pools are not offered: those go on NIXL)."""
+        return self.translate_covered(remote_addr, length) is not None
+
+    def translate_covered(self, remote_addr: np.ndarray, length: np.ndarray) -> np.ndarray | None:
+        """``translate`` of a valid mapping's ranges when every one lies inside an offered region, else None
+        (nothing raised): the post's choice and its translation from one lookup."""
         i = np.searchsorted(self._base, remote_addr, side="right") - 1
-        return bool(np.all(i >= 0) and np.all(remote_addr + length <= self._end[np.maximum(i, 0)]))
+        if (i < 0).any() or (remote_addr + length > self._end[i]).any():  # the second only once every i >= 0
+            return None
+        return self._local[i] + (remote_addr - self._base[i])
 
     def translate(self, remote_addr: np.ndarray, length: np.ndarray) -> np.ndarray:
         """Producer addresses -> addresses of the mapping here.

@@ -132,12 +132,16 @@ class ReadTransports:
         """
         source = self._sources.get(peer)
         n = int(local_descs.shape[0])
-        if source is None or (source.is_valid and not source.covers(remote_descs[:, 0], remote_descs[:, 1])):
+        src_addr = None
+        if source is not None and source.is_valid:
+            src_addr = source.translate_covered(remote_descs[:, 0], remote_descs[:, 1])
+        if source is None or (source.is_valid and src_addr is None):  # not mapped, or a range it does not offer
             handle = self.nixl.post_read(peer, local_descs, remote_descs)
             self.reads[NIXL] += 1
             self.bytes[NIXL] += handle.num_bytes
             return handle
-        src_addr = source.translate(remote_descs[:, 0], remote_descs[:, 1])
+        if src_addr is None:
+            src_addr = source.translate(remote_descs[:, 0], remote_descs[:, 1])  # raises: the mapping is invalid
         lengths = np.ascontiguousarray(local_descs[:, 1])
         if remote_descs.shape[0] != n or np.any(remote_descs[:, 1] != lengths):
             raise PlanError(f"a mapped READ of {peer} pairs ranges of different lengths")
