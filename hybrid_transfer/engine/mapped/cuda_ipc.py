@@ -153,7 +153,8 @@ class RangeCopier:
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(device=self.device)
         self.chunk_bytes = int(chunk_bytes)  # bytes per kernel program (benchmarks/mapped_copy.py --chunk-kib)
-        self._slots: collections.deque = collections.deque()  # (pinned, device table, event) in use, oldest first
+        # (pinned table, its numpy view, device table, event) in use, oldest first
+        self._slots: collections.deque = collections.deque()
         self.launches = 0
         # Worker-thread seconds of the last copy: (chunk table, upload, kernel launch and event), for the bench.
         self.last_split = (0.0, 0.0, 0.0)
@@ -176,8 +177,8 @@ class RangeCopier:
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             if n:
-                pinned, table_dev = self._slot(n)
-                pinned.numpy()[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
+                pinned, pinned_np, table_dev = self._slot(n)
+                pinned_np[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
                 table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
                 t2 = time.perf_counter()
                 self._kernel[(n,)](table_dev, n, BLOCK=BLOCK, WIDTH=width)
@@ -185,33 +186,34 @@ class RangeCopier:
             event.record(self._stream)
         self.last_split = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         if n:
-            self._slots[-1] = (*self._slots[-1][:2], event)
+            self._slots[-1] = (*self._slots[-1][:3], event)
         return event
 
     def _slot(self, n: int):
-        """A pinned table and its device twin of at least ``n`` columns, not in use by a queued copy.
+        """A pinned table, its numpy view and its device twin of at least ``n`` columns, not in use by a queued copy.
 
         The oldest slot is reused once its copy has finished (or, with ``_SLOTS`` in use, after waiting for
         it); a new one is allocated only while every slot is still busy: pinned allocations cost about half
         a millisecond each, which the worker thread must not pay per step (measured on one H200).
         """
         torch = self._torch
-        pinned = table_dev = None
+        slot = None
         if self._slots:
-            old_pinned, old_dev, event = self._slots[0]
+            old_pinned, old_np, old_dev, event = self._slots[0]
             done = event is None or event.query()
             if done or len(self._slots) >= _SLOTS:
                 self._slots.popleft()
                 if not done:
                     event.synchronize()  # never reuse a table a queued copy may still read
                 if old_pinned.shape[0] >= 3 * n:
-                    pinned, table_dev = old_pinned, old_dev
-        if pinned is None:
+                    slot = (old_pinned, old_np, old_dev)
+        if slot is None:
             cap = max(n, 1 << 15)
             pinned = torch.empty(3 * cap, dtype=torch.int64, pin_memory=True)
-            table_dev = torch.empty(3 * cap, dtype=torch.int64, device=self.device)
-        self._slots.append((pinned, table_dev, None))
-        return pinned, table_dev
+            # The numpy view is made once per table, not per copy.
+            slot = (pinned, pinned.numpy(), torch.empty(3 * cap, dtype=torch.int64, device=self.device))
+        self._slots.append((*slot, None))
+        return slot
 
     def synchronize(self) -> None:
         self._stream.synchronize()
