@@ -24,6 +24,8 @@ _ADDRESS = re.compile(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+):([0-9]{1,5})")
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _PORTS = re.compile(r"([0-9]{1,5})(?:-([0-9]{1,5}))?")
 MAX_HOST_CHARS = 253  # a DNS name
+_LONGEST_ADDRESS = MAX_HOST_CHARS + 16  # "tcp://", brackets, ":" and a port around a host: a longer str never parses
+MAX_VERDICTS = 1024  # addresses whose allowed_producers verdict one AllowedProducers keeps
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -91,7 +93,7 @@ def parse_address(address: object) -> Endpoint:
 
 @functools.lru_cache(maxsize=1024)  # the same few producer addresses come in every ticket; errors are not cached
 def _parse(address: str) -> Endpoint:
-    match = _ADDRESS.fullmatch(address) if len(address) <= MAX_HOST_CHARS + 16 else None
+    match = _ADDRESS.fullmatch(address) if len(address) <= _LONGEST_ADDRESS else None
     if match is None:
         raise ConfigError(f"address {shown(address)} is not tcp://HOST:PORT (HOST a name, an IPv4 address or an "
                           "[IPv6] address)", field="address", value=shown(address))
@@ -181,14 +183,38 @@ class AllowedProducers:
             raise ConfigError("EngineConfig.allowed_producers is empty: this consumer could connect to no producer",
                               field="allowed_producers", value=self.entries)
         self._rules = tuple(_rule(e) for e in self.entries)
+        self._verdicts: dict[str, bool] = {}  # address -> allowed, at most MAX_VERDICTS (oldest go first)
 
     def allows(self, address: str) -> bool:
-        """Whether ``address`` (any value) is a well-formed address this list allows."""
+        """Whether ``address`` (any value) is a well-formed address this list allows.
+
+        Every ticket names the same few producer addresses, so each verdict, allowed or refused, is kept by the
+        exact string (the rules never change); a str longer than any address is judged anew (it never parses).
+        """
+        if type(address) is str:
+            verdict = self._verdicts.get(address)
+            if verdict is not None:
+                return verdict
+            verdict = self._judge(address)
+            if len(address) <= _LONGEST_ADDRESS:
+                self._remember(address, verdict)
+            return verdict
+        return self._judge(address)
+
+    def _judge(self, address: object) -> bool:
+        """The rules' verdict, without the cache."""
         try:
             endpoint = parse_address(address)
         except ConfigError:
             return False
         return any(rule.allows(endpoint) for rule in self._rules)
+
+    def _remember(self, address: str, verdict: bool) -> None:
+        """Keep a verdict, evicting the oldest past MAX_VERDICTS: hostile tickets may name endless addresses."""
+        verdicts = self._verdicts
+        while len(verdicts) >= MAX_VERDICTS:
+            verdicts.pop(next(iter(verdicts)), None)
+        verdicts[address] = verdict
 
     def __repr__(self) -> str:
         return f"AllowedProducers({list(self.entries)!r})"

@@ -27,20 +27,35 @@ import hashlib
 import hmac
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgspec
 
 _ENCODER = msgspec.msgpack.Encoder()
+# The ticket fields the digest covers, in the order they are encoded (engine/inputs.py encodes these once, for
+# its own check and for the digest).
+DIGEST_FIELDS = ("engine_id", "incarnation", "request_id", "nonce", "block_ids", "num_tokens", "state_position")
+_DIGEST_PREFIX = b"hybrid-transfer ticket\0"
+_SEQUENCES = frozenset({tuple, list})  # msgpack writes both as the same array
 
 
 def ticket_digest(engine_id: str, incarnation: int, request_id: str, nonce: int,
                   block_ids: Sequence[Sequence[int]], num_tokens: int, state_position: int) -> bytes:
     """SHA-256 of the fields that decide which bytes a ticket reads."""
-    fields = (engine_id, incarnation, request_id, nonce, [list(g) for g in block_ids], num_tokens, state_position)
-    return hashlib.sha256(b"hybrid-transfer ticket\0" + _ENCODER.encode(fields)).digest()
+    if type(block_ids) not in _SEQUENCES or not _SEQUENCES.issuperset(map(type, block_ids)):
+        block_ids = [list(g) for g in block_ids]  # any other iterable group is encoded as the list of its ids
+    return digest_of_encoded(_ENCODER.encode((engine_id, incarnation, request_id, nonce, block_ids, num_tokens,
+                                              state_position)))
 
 
-_last_digest: tuple[object, bytes] = (None, b"")  # (ticket, its digest): a consumer needs it twice per request
+def digest_of_encoded(fields: bytes) -> bytes:
+    """The digest from the msgpack array of the DIGEST_FIELDS values, in that order (what ticket_digest encodes)."""
+    return hashlib.sha256(_DIGEST_PREFIX + fields).digest()
+
+
+# (ticket, its digest or b"" not yet hashed, the encoded DIGEST_FIELDS or b""): a consumer needs the digest twice
+# per request, and inputs.ticket has encoded those fields already.
+_last_digest: tuple[object, bytes, bytes] = (None, b"", b"")
 
 
 def digest_of(ticket) -> bytes:
@@ -52,15 +67,29 @@ def digest_of(ticket) -> bytes:
     global _last_digest
     last = _last_digest
     if last[0] is ticket:
-        return last[1]
-    digest = ticket_digest(ticket.engine_id, ticket.incarnation, ticket.request_id, ticket.nonce, ticket.block_ids,
-                           ticket.num_tokens, ticket.state_position)
-    _last_digest = (ticket, digest)
+        if last[1]:
+            return last[1]
+        digest = digest_of_encoded(last[2])
+    else:
+        digest = ticket_digest(ticket.engine_id, ticket.incarnation, ticket.request_id, ticket.nonce,
+                               ticket.block_ids, ticket.num_tokens, ticket.state_position)
+    _last_digest = (ticket, digest, b"")
     return digest
 
 
-_KEYS: OrderedDict[tuple[bytes, str, int], bytes] = OrderedDict()  # (secret, engine id, incarnation) -> key
+def remember_encoded(ticket, fields: bytes) -> None:
+    """Let digest_of hash ``fields`` for this ticket object rather than encode its fields again.
+
+    ``fields``: what ticket_digest encodes for the ticket, the msgpack array of its DIGEST_FIELDS values
+    (inputs.ticket decoded the ticket from these very bytes; tests/engine/test_admission.py checks it)."""
+    global _last_digest
+    _last_digest = (ticket, b"", fields)
+
+
+# (secret, engine id, incarnation) -> (key, SHA-256 of key ^ ipad, SHA-256 of key ^ opad)
+_KEYS: OrderedDict[tuple[bytes, str, int], tuple[bytes, Any, Any]] = OrderedDict()
 _MAX_KEYS = 256  # producer engine incarnations whose key is kept (a consumer links to a handful)
+_BLOCK = 64  # SHA-256's block, HMAC's pad length
 
 
 def ticket_key(secret: bytes | None, engine_id: str, incarnation: int) -> bytes:
@@ -70,14 +99,36 @@ def ticket_key(secret: bytes | None, engine_id: str, incarnation: int) -> bytes:
     deriving it is a second HMAC per request."""
     if secret is None:
         return b""
+    return _keyed(secret, engine_id, incarnation)[0]
+
+
+def _keyed(secret: bytes, engine_id: str, incarnation: int) -> tuple[bytes, Any, Any]:
+    """The key and HMAC's two padded hash states for it, derived once per incarnation (see ticket_key)."""
     entry = (secret, engine_id, incarnation)
-    key = _KEYS.get(entry)
-    if key is None:
+    keyed = _KEYS.get(entry)
+    if keyed is None:
         key = hmac.digest(secret, b"hybrid-transfer ticket key\0" + _ENCODER.encode((engine_id, incarnation)), "sha256")
-        _KEYS[entry] = key
+        keyed = _KEYS[entry] = (key, *_pads(key))
         if len(_KEYS) > _MAX_KEYS:
             _KEYS.popitem(last=False)
-    return key
+    return keyed
+
+
+def _pads(key: bytes) -> tuple[Any, Any]:
+    """SHA-256 states after key ^ ipad and key ^ opad (RFC 2104): an HMAC then costs two copies, not a setup."""
+    if len(key) > _BLOCK:
+        key = hashlib.sha256(key).digest()
+    key = key.ljust(_BLOCK, b"\0")
+    return (hashlib.sha256(bytes(b ^ 0x36 for b in key)), hashlib.sha256(bytes(b ^ 0x5C for b in key)))
+
+
+def _hmac(inner, outer, message: bytes) -> bytes:
+    """HMAC-SHA256 of ``message`` from the padded states _pads made (equal to hmac.digest; tested)."""
+    inner = inner.copy()
+    inner.update(message)
+    outer = outer.copy()
+    outer.update(inner.digest())
+    return outer.digest()
 
 
 def ticket_mac(ticket, secret: bytes | None, digest: bytes | None = None) -> bytes:
@@ -85,7 +136,8 @@ def ticket_mac(ticket, secret: bytes | None, digest: bytes | None = None) -> byt
     digest = digest_of(ticket) if digest is None else digest
     if secret is None:
         return digest
-    return hmac.digest(ticket_key(secret, ticket.engine_id, ticket.incarnation), digest, "sha256")
+    _, inner, outer = _keyed(secret, ticket.engine_id, ticket.incarnation)
+    return _hmac(inner, outer, digest)
 
 
 def sign(ticket, secret: bytes | None):

@@ -8,11 +8,15 @@ under a ticket no consumer can decode. Every refusal names the argument and its 
 from __future__ import annotations
 
 import numbers
+import typing
 from collections.abc import Sequence
+from operator import itemgetter
+from typing import Annotated
 
+import msgspec
 import numpy as np
 
-from hybrid_transfer.engine import wire
+from hybrid_transfer.engine import claims, wire
 from hybrid_transfer.engine.addresses import parse_address, shown
 from hybrid_transfer.engine.wire import MAX_NAME_CHARS, MAX_NONCE, MAX_REQUEST_ID_CHARS
 from hybrid_transfer.errors import ConfigError, PlanError, TicketError, WireDecodeError
@@ -28,6 +32,8 @@ def is_integer(value: object) -> bool:
 
 def count(field: str, value: object) -> int:
     """A non-negative integer argument (token counts, state positions), as a Python int."""
+    if type(value) is int and value >= 0:  # the usual case, twice per request
+        return value
     if not is_integer(value) or int(value) < 0:  # type: ignore[call-overload]
         raise ConfigError(f"{field}={value!r} must be a non-negative integer (not a bool)", field=field,
                           value=value)
@@ -65,6 +71,8 @@ def engine_id(value: object) -> str:
 
 def block_id_lists(side: str, block_ids_per_group: object) -> None:
     """Every group a flat sequence (or array) of integers; the planner's checks of counts and ranges follow."""
+    if _plain_id_lists(block_ids_per_group):
+        return
     if type(block_ids_per_group) not in (list, tuple) and (isinstance(block_ids_per_group, (str, bytes)) or
                                                           not isinstance(block_ids_per_group, (Sequence, np.ndarray))):
         raise PlanError(f"{side} block ids must be one sequence of integers per cache group, got "
@@ -87,6 +95,27 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
             if int(b).bit_length() > 63:  # numpy cannot hold it, and Python cannot print it past 4,300 digits
                 raise PlanError(f"{side} group {group}: block id {shown(int(b))} is out of range", side=side,
                                 group=group, block_ids=ids)
+
+
+_LISTS = frozenset({list, tuple})
+_Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63) + 1, le=(1 << 63) - 1)]  # plan.validate.plain_int64s' range
+_ID_LISTS = tuple[tuple[_Int64, ...], ...]
+
+
+def _plain_id_lists(groups: object) -> bool:
+    """Lists (or tuples) of ints within int64, never a bool, proven by one msgspec call over every group.
+
+    The usual local ids; anything else (numpy, a bool, an int past int64, a set) is False and the per-group
+    loop finds and names it. msgspec also takes an int subclass (an IntEnum), as that loop does."""
+    if type(groups) not in _LISTS or not _LISTS.issuperset(map(type, groups)):
+        return False  # msgspec would take a set for a tuple: the loop refuses one
+    if sum(map(len, groups)) > MAX_TICKET_BLOCK_IDS:
+        return False  # msgspec copies what it proves: past this the loop's checks (which copy nothing) run
+    try:
+        msgspec.convert(groups, _ID_LISTS)
+    except msgspec.ValidationError:
+        return False
+    return True
 
 
 # ---- tickets (issue 19): what a client's request may make a consumer do is bounded here -----------------
@@ -112,9 +141,12 @@ def ticket(value: object) -> wire.Ticket:
         raise TicketError(f"expected a Ticket, got {type(value).__name__} (decode bytes with decode_ticket)",
                           request_id="?")
     checked = _honest_ticket(value)
-    if checked is not None:
-        return checked
-    # Something is wrong: the checks one by one, in an order that names the bad field and never prints a huge value.
+    return checked if checked is not None else _stepwise_ticket(value)
+
+
+def _stepwise_ticket(value: wire.Ticket) -> wire.Ticket:
+    """The checks one by one, in an order that names the bad field and never prints a huge value (ticket's
+    slow path: something is wrong, or the ticket is of a form _honest_ticket leaves to it)."""
     rid = value.request_id if isinstance(value.request_id, str) else shown(value.request_id)
     rid = rid if len(rid) <= MAX_REQUEST_ID_CHARS else shown(rid)
 
@@ -149,35 +181,70 @@ def ticket(value: object) -> wire.Ticket:
     return checked
 
 
+# The honest ticket's check (_honest_ticket) is a msgpack round trip in two parts: the fields the claim digest
+# covers, in its order (so those bytes are also the digest's, claims.digest_of_encoded), and the rest. Each
+# part decodes with wire.Ticket's own type for every field, tightened to this module's caps where it has one.
+_FIELDS = wire.Ticket.__struct_fields__
+_REST_FIELDS = tuple(f for f in _FIELDS if f not in claims.DIGEST_FIELDS)  # a field added to Ticket lands here
+_Tokens = Annotated[int, msgspec.Meta(ge=0, le=MAX_TICKET_TOKENS)]
+_TIGHTER = {  # each at least as strict as the field's type in wire.Ticket (tests/engine/test_admission.py)
+    "addresses": Annotated[tuple[wire.Address, ...], msgspec.Meta(max_length=MAX_TICKET_RANKS)],
+    "tp_size": Annotated[int, msgspec.Meta(ge=1, le=MAX_TICKET_RANKS)],
+    "block_ids": Annotated[tuple[tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)], ...], ...],
+                           msgspec.Meta(max_length=MAX_TICKET_GROUPS)],
+    "num_tokens": _Tokens,
+    "state_position": _Tokens,
+}
+
+
+def _part_decoder(fields: tuple[str, ...]) -> msgspec.msgpack.Decoder:
+    """A decoder of the tuple of these fields' values, each of its (tightened) Ticket type."""
+    hints = typing.get_type_hints(wire.Ticket, include_extras=True)
+    return msgspec.msgpack.Decoder(tuple[tuple(_TIGHTER.get(f, hints[f]) for f in fields)])  # type: ignore[misc]
+
+
+_DIGEST_DECODER = _part_decoder(claims.DIGEST_FIELDS)
+_REST_DECODER = _part_decoder(_REST_FIELDS)
+_DIGEST_PART = itemgetter(*(_FIELDS.index(f) for f in claims.DIGEST_FIELDS))
+_REST_PART = itemgetter(*(_FIELDS.index(f) for f in _REST_FIELDS))
+_IN_TICKET_ORDER = itemgetter(*((*claims.DIGEST_FIELDS, *_REST_FIELDS).index(f) for f in _FIELDS))
+_VERSION, _ADDRESSES = _REST_FIELDS.index("version"), _REST_FIELDS.index("addresses")
+_ENCODER = msgspec.msgpack.Encoder()
+_NOT_ENCODED = (TypeError, OverflowError, RecursionError, msgspec.EncodeError)
+
+
 def _honest_ticket(value: wire.Ticket) -> wire.Ticket | None:
     """The checked ticket when every check passes, else None (``ticket`` then finds and names the fault).
 
-    The same rules as ``ticket``'s step-by-step path, with the size caps first (a ticket of millions of ids is
-    never encoded), then msgspec's round trip, then the ranges on its decoded ints: a handful of C calls for
-    the honest ticket every request brings."""
+    The same rules as ``ticket``'s step-by-step path: the size caps first (a ticket of millions of ids is never
+    encoded), then msgspec's round trip, whose types carry every range, then the addresses' syntax. A handful
+    of C calls for the honest ticket every request brings; the digest's bytes come with it (claims)."""
+    if type(value) is not wire.Ticket:  # a subclass may carry more: the step-by-step path judges it
+        return None
     block_ids, addresses = value.block_ids, value.addresses
-    if type(block_ids) not in (tuple, list) or type(addresses) not in (tuple, list):
+    if type(block_ids) not in _LISTS or type(addresses) not in _LISTS:
         return None
     if len(block_ids) > MAX_TICKET_GROUPS or len(addresses) > MAX_TICKET_RANKS:
         return None
+    fields = msgspec.structs.astuple(value)
     try:
         if sum(map(len, block_ids)) > MAX_TICKET_BLOCK_IDS:
             return None
-        checked = wire.check_ticket(value)
-    except (TypeError, WireDecodeError):
+        encoded = _ENCODER.encode(_DIGEST_PART(fields))
+        read = _DIGEST_DECODER.decode(encoded)
+        rest = _REST_DECODER.decode(_ENCODER.encode(_REST_PART(fields)))
+    except (*_NOT_ENCODED, msgspec.DecodeError):  # a ValidationError is a DecodeError
         return None
-    groups = [g for g in checked.block_ids if g]
-    if groups and (min(map(min, groups)) < 0 or max(map(max, groups)) > MAX_BLOCK_ID):
-        return None
-    if not 0 < checked.tp_size <= MAX_TICKET_RANKS or max(checked.num_tokens, checked.state_position) > MAX_TICKET_TOKENS:
-        return None
-    if len(set(checked.addresses)) != len(checked.addresses):
+    addresses = rest[_ADDRESSES]
+    if rest[_VERSION] != wire.PROTOCOL_VERSION or len(set(addresses)) != len(addresses):
         return None
     try:
-        for address in checked.addresses:
+        for address in addresses:
             parse_address(address)
     except ConfigError:
         return None
+    checked = wire.Ticket(*_IN_TICKET_ORDER(read + rest))
+    claims.remember_encoded(checked, encoded)
     return checked
 
 

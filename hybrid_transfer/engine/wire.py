@@ -475,6 +475,9 @@ def decode_ticket(data: bytes) -> Ticket:
     return ticket
 
 
+_NOT_ENCODED = (TypeError, OverflowError, RecursionError, msgspec.EncodeError)  # RecursionError: lists nested deep
+
+
 def check_ticket(ticket: object) -> Ticket:
     """An in-process ticket, checked exactly as one decoded from bytes (msgspec does not check at construction).
 
@@ -486,12 +489,12 @@ def check_ticket(ticket: object) -> Ticket:
                               kind="ticket")
     try:
         data = encode_ticket(ticket)
-    except (TypeError, OverflowError, msgspec.EncodeError):
+    except _NOT_ENCODED:
         for field in Ticket.__struct_fields__:
             value = getattr(ticket, field)
             try:
                 _ENCODER.encode(value)
-            except (TypeError, OverflowError, msgspec.EncodeError) as exc:
+            except _NOT_ENCODED as exc:
                 raise WireDecodeError(f"invalid ticket: {field}={_short(value)} cannot be encoded: {exc}",
                                       kind="ticket") from exc
         raise
