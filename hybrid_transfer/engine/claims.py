@@ -49,8 +49,15 @@ def ticket_digest(engine_id: str, incarnation: int, request_id: str, nonce: int,
 
 
 def digest_of_encoded(fields: bytes) -> bytes:
-    """The digest from the msgpack array of the DIGEST_FIELDS values, in that order (what ticket_digest encodes)."""
-    return hashlib.sha256(_DIGEST_PREFIX + fields).digest()
+    """The digest from the msgpack array of the DIGEST_FIELDS values, in that order (what ticket_digest encodes).
+
+    A copy of the hash state after the prefix costs less than a new hash object (a third of the digest's time)."""
+    state = _PREFIX_STATE.copy()
+    state.update(fields)
+    return state.digest()
+
+
+_PREFIX_STATE = hashlib.sha256(_DIGEST_PREFIX)
 
 
 # (ticket, its digest or b"" not yet hashed, the encoded DIGEST_FIELDS or b""): a consumer needs the digest twice

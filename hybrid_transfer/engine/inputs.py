@@ -99,7 +99,13 @@ def block_id_lists(side: str, block_ids_per_group: object) -> None:
 
 _LISTS = frozenset({list, tuple})
 _Int64 = Annotated[int, msgspec.Meta(ge=-(1 << 63) + 1, le=(1 << 63) - 1)]  # plan.validate.plain_int64s' range
-_ID_LISTS = tuple[tuple[_Int64, ...], ...]
+
+
+class _IdLists(msgspec.Struct, array_like=True):
+    """What _plain_id_lists converts to: msgspec keeps a Struct's checks built, a bare tuple type's it builds
+    again on every call (a microsecond)."""
+
+    groups: tuple[tuple[_Int64, ...], ...]
 
 
 def _plain_id_lists(groups: object) -> bool:
@@ -112,7 +118,7 @@ def _plain_id_lists(groups: object) -> bool:
     if sum(map(len, groups)) > MAX_TICKET_BLOCK_IDS:
         return False  # msgspec copies what it proves: past this the loop's checks (which copy nothing) run
     try:
-        msgspec.convert(groups, _ID_LISTS)
+        msgspec.convert((groups,), _IdLists)
     except msgspec.ValidationError:
         return False
     return True
@@ -211,6 +217,7 @@ _IN_TICKET_ORDER = itemgetter(*((*claims.DIGEST_FIELDS, *_REST_FIELDS).index(f) 
 _VERSION, _ADDRESSES = _REST_FIELDS.index("version"), _REST_FIELDS.index("addresses")
 _ENCODER = msgspec.msgpack.Encoder()
 _NOT_ENCODED = (TypeError, OverflowError, RecursionError, msgspec.EncodeError)
+_REFUSED = (*_NOT_ENCODED, msgspec.DecodeError)  # a ValidationError is a DecodeError
 
 
 def _honest_ticket(value: wire.Ticket) -> wire.Ticket | None:
@@ -233,7 +240,7 @@ def _honest_ticket(value: wire.Ticket) -> wire.Ticket | None:
         encoded = _ENCODER.encode(_DIGEST_PART(fields))
         read = _DIGEST_DECODER.decode(encoded)
         rest = _REST_DECODER.decode(_ENCODER.encode(_REST_PART(fields)))
-    except (*_NOT_ENCODED, msgspec.DecodeError):  # a ValidationError is a DecodeError
+    except _REFUSED:
         return None
     addresses = rest[_ADDRESSES]
     if rest[_VERSION] != wire.PROTOCOL_VERSION or len(set(addresses)) != len(addresses):
