@@ -216,8 +216,6 @@ _REST_PART = itemgetter(*(_FIELDS.index(f) for f in _REST_FIELDS))
 _IN_TICKET_ORDER = itemgetter(*((*claims.DIGEST_FIELDS, *_REST_FIELDS).index(f) for f in _FIELDS))
 _VERSION, _ADDRESSES = _REST_FIELDS.index("version"), _REST_FIELDS.index("addresses")
 _ENCODER = msgspec.msgpack.Encoder()
-_NOT_ENCODED = (TypeError, OverflowError, RecursionError, msgspec.EncodeError)
-_REFUSED = (*_NOT_ENCODED, msgspec.DecodeError)  # a ValidationError is a DecodeError
 
 
 def _honest_ticket(value: wire.Ticket) -> wire.Ticket | None:
@@ -240,7 +238,7 @@ def _honest_ticket(value: wire.Ticket) -> wire.Ticket | None:
         encoded = _ENCODER.encode(_DIGEST_PART(fields))
         read = _DIGEST_DECODER.decode(encoded)
         rest = _REST_DECODER.decode(_ENCODER.encode(_REST_PART(fields)))
-    except _REFUSED:
+    except Exception:  # noqa: BLE001 - msgspec's refusals, or a hostile group's __len__: the named checks judge it
         return None
     addresses = rest[_ADDRESSES]
     if rest[_VERSION] != wire.PROTOCOL_VERSION or len(set(addresses)) != len(addresses):

@@ -148,6 +148,15 @@ def test_a_ticket_subclass_or_a_bad_value_still_gets_the_named_error():
         inputs.ticket(longer)
 
 
+def test_a_group_whose_len_raises_is_a_ticket_error():
+    class Hostile:
+        def __len__(self):
+            raise ValueError("no")
+
+    with pytest.raises(TicketError, match="cannot be encoded"):
+        inputs.ticket(_ticket(block_ids=(Hostile(),)))
+
+
 def test_lists_nested_past_the_recursion_limit_are_a_ticket_error():
     deep: list = []
     for _ in range(100_000):
