@@ -8,6 +8,12 @@ Each sample runs every call once per ticket of the step, on fresh ticket objects
 the embedder's bytes, so no identity cache is warm from the last sample); a row is the median over
 ``--reps`` samples of the per-ticket time, in microseconds.
 
+Measured (2-core dev VM, 2026-12-02, ``--secret --extra-blocks 71``: 78 ids in 4 groups, prefill TP 1; medians of
+3 interleaved runs against the tree before the fast paths, ba46fde): the sum 27.5 -> 12.3 us per request
+(inputs.ticket 10.0 -> 6.4, block_id_lists 6.5 -> 2.2, allows 2.3 -> 0.3, digest_of 4.3 -> 1.5, mac_ok 3.7 ->
+1.6, inputs.count x2 0.8 -> 0.3); this host's speed swings about 2x between runs, so compare interleaved runs
+only, and block_id_arrays (code these changes leave alone) shows when a run is slow.
+
 Run: python benchmarks/admission_speed.py [--preset qwen3.5-397b-a17b] [--tokens 8192] [--batch 16]
      [--prefill-tp 1] [--decode-tp 1]
      [--extra-blocks 0] [--reps 400] [--secret] [--json]
