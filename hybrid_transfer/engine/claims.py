@@ -27,7 +27,6 @@ import hashlib
 import hmac
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 
@@ -93,10 +92,8 @@ def remember_encoded(ticket, fields: bytes) -> None:
     _last_digest = (ticket, b"", fields)
 
 
-# (secret, engine id, incarnation) -> (key, SHA-256 of key ^ ipad, SHA-256 of key ^ opad)
-_KEYS: OrderedDict[tuple[bytes, str, int], tuple[bytes, Any, Any]] = OrderedDict()
+_KEYS: OrderedDict[tuple[bytes, str, int], bytes] = OrderedDict()  # (secret, engine id, incarnation) -> key
 _MAX_KEYS = 256  # producer engine incarnations whose key is kept (a consumer links to a handful)
-_BLOCK = 64  # SHA-256's block, HMAC's pad length
 
 
 def ticket_key(secret: bytes | None, engine_id: str, incarnation: int) -> bytes:
@@ -106,36 +103,14 @@ def ticket_key(secret: bytes | None, engine_id: str, incarnation: int) -> bytes:
     deriving it is a second HMAC per request."""
     if secret is None:
         return b""
-    return _keyed(secret, engine_id, incarnation)[0]
-
-
-def _keyed(secret: bytes, engine_id: str, incarnation: int) -> tuple[bytes, Any, Any]:
-    """The key and HMAC's two padded hash states for it, derived once per incarnation (see ticket_key)."""
     entry = (secret, engine_id, incarnation)
-    keyed = _KEYS.get(entry)
-    if keyed is None:
+    key = _KEYS.get(entry)
+    if key is None:
         key = hmac.digest(secret, b"hybrid-transfer ticket key\0" + _ENCODER.encode((engine_id, incarnation)), "sha256")
-        keyed = _KEYS[entry] = (key, *_pads(key))
+        _KEYS[entry] = key
         if len(_KEYS) > _MAX_KEYS:
             _KEYS.popitem(last=False)
-    return keyed
-
-
-def _pads(key: bytes) -> tuple[Any, Any]:
-    """SHA-256 states after key ^ ipad and key ^ opad (RFC 2104): an HMAC then costs two copies, not a setup."""
-    if len(key) > _BLOCK:
-        key = hashlib.sha256(key).digest()
-    key = key.ljust(_BLOCK, b"\0")
-    return (hashlib.sha256(bytes(b ^ 0x36 for b in key)), hashlib.sha256(bytes(b ^ 0x5C for b in key)))
-
-
-def _hmac(inner, outer, message: bytes) -> bytes:
-    """HMAC-SHA256 of ``message`` from the padded states _pads made (equal to hmac.digest; tested)."""
-    inner = inner.copy()
-    inner.update(message)
-    outer = outer.copy()
-    outer.update(inner.digest())
-    return outer.digest()
+    return key
 
 
 def ticket_mac(ticket, secret: bytes | None, digest: bytes | None = None) -> bytes:
@@ -143,8 +118,7 @@ def ticket_mac(ticket, secret: bytes | None, digest: bytes | None = None) -> byt
     digest = digest_of(ticket) if digest is None else digest
     if secret is None:
         return digest
-    _, inner, outer = _keyed(secret, ticket.engine_id, ticket.incarnation)
-    return _hmac(inner, outer, digest)
+    return hmac.digest(ticket_key(secret, ticket.engine_id, ticket.incarnation), digest, "sha256")
 
 
 def sign(ticket, secret: bytes | None):

@@ -199,19 +199,6 @@ def test_block_id_lists_fast_path_takes_the_usual_lists_and_nothing_else():
         assert not inputs._plain_id_lists(groups), groups
 
 
-# ---- the MAC: precomputed pads and hmac.digest --------------------------------------------------------------
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=200), st.binary(max_size=300))
-def test_the_precomputed_hmac_equals_hmac_digest(key, message):
-    assert claims._hmac(*claims._pads(key), message) == hmac.digest(key, message, "sha256")
-
-
-@pytest.mark.parametrize("length", [0, 1, 32, 63, 64, 65, 128, 200])
-def test_the_precomputed_hmac_equals_hmac_digest_around_the_block_size(length):
-    key = bytes(range(256))[:length]
-    assert claims._hmac(*claims._pads(key), b"digest") == hmac.digest(key, b"digest", "sha256")
-
-
 @settings(max_examples=100, deadline=None)
 @given(HONEST, st.binary(min_size=1, max_size=64))
 def test_a_ticket_mac_is_hmac_sha256_of_the_digest_under_the_ticket_key(t, secret):
