@@ -2,7 +2,7 @@
 
 Each fast path must accept exactly what the step-by-step checks accept and hand back the same values: the
 honest-ticket round trip and the named checks, the one-call block id check and the per-group loop, the
-digest inputs.ticket leaves for digest_of and claims' own encoding, the precomputed HMAC and hmac.digest,
+digest inputs.ticket leaves for digest_of and claims' own encoding,
 and the cached allowed_producers verdicts and the rules. No sockets here.
 """
 
