@@ -157,11 +157,12 @@ class EngineServer:
 
     def close(self) -> None:
         """Kill the whole group and reap the server; idempotent."""
-        for sig in (signal.SIGCONT, signal.SIGKILL):  # a stopped group is woken so the kill is delivered at once
-            try:
-                os.killpg(self.pgid, sig)
-            except ProcessLookupError:
-                break
+        # SIGKILL alone: it ends a stopped process too, and waking a stopped group first (SIGCONT) would let
+        # it run, and answer a peer, for as long as the two signals are apart.
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:

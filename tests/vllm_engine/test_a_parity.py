@@ -1,9 +1,12 @@
 """P/D parity in real engines, and the negative controls that must fail it (docs/vllm.md#real-engines).
 
-Every prompt is prefilled by the prefill engine (concurrently: several prompts a prefill step),
-loaded by the decode engine through our connector (concurrently: several loads a decode step) and
-must decode exactly what the reference decodes. Each negative control is a load corrupted on purpose
-by a test subclass of the connector; it finishes normally and must fail the criterion.
+Every prompt is prefilled by the prefill engine (concurrently: several prompts a prefill step) and
+loaded by the decode engine through our connector. Loaded one at a time, as the reference decodes, every
+request must decode exactly what the reference decodes. Loaded concurrently (several loads a decode step)
+they are held to the first-step criterion, because vLLM's CPU kernels round differently in a different
+batch with or without a connector (docs/vllm.md#batch-variance); each step's difference is recorded.
+Each negative control is a load corrupted on purpose by a test subclass of the connector; it finishes
+normally and must fail the criterion.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ def runs(suite, split_reference):
     prompts = parity.prompt_set(suite.block_size)
     assert not {len(p) - 1 for p in prompts.values()} & set(FAULT_TOKENS.values())
     names, ids = list(prompts), list(prompts.values())
-    ours = parity.disaggregated(suite.prefill, suite.decode, ids)
+    ours = parity.disaggregated(suite.prefill, suite.decode, ids, workers=1)
     reference = [split_reference[tuple(p)] for p in ids]
     whole = parity.aggregated(suite.prefill, ids)  # a plain request on the prefill engine: the whole prompt at once
     rows = []
@@ -28,6 +31,7 @@ def runs(suite, split_reference):
         rows.append({"prompt": name, "n_minus_1": len(prompt) - 1, "ours": o.tokens, "same_split": r.tokens,
                      "whole_prompt": w.tokens, "equal": parity.equal(o, r),
                      "first_step_logprob_diff": parity.largest_logprob_difference(o, r, 1),
+                     "logprob_diff_by_step": parity.logprob_difference_by_step(o, r),
                      "whole_vs_split_first_step": parity.largest_logprob_difference(w, r, 1)})
     (suite.root / "parity.json").write_text(json.dumps(rows, indent=1))
     print(f"\nparity (block size {suite.block_size}):")
@@ -48,6 +52,26 @@ def test_the_prompts_cover_every_place_n_minus_1_can_fall(suite):
 def test_every_disaggregated_request_decodes_exactly_as_the_same_split(runs):
     rows, _ = runs
     wrong = [r for r in rows if not r["equal"]]
+    assert not wrong, json.dumps(wrong, indent=1)
+
+
+def test_concurrent_loads_decode_their_first_token_as_the_same_split(suite, split_reference):
+    """Eight loads at a time share decode steps; the first step must agree within the tolerance and the
+    later steps' differences are recorded (bf16 roundings of a different batch, docs/vllm.md#batch-variance)."""
+    prompts = parity.prompt_set(suite.block_size)
+    ids = list(prompts.values())
+    ours = parity.disaggregated(suite.prefill, suite.decode, ids, workers=8)
+    rows = []
+    for name, prompt, o in zip(prompts, ids, ours, strict=True):
+        r = split_reference[tuple(prompt)]
+        rows.append({"prompt": name, "ours": o.tokens, "same_split": r.tokens,
+                     "first_step_agrees": parity.first_step_agrees(o, r),
+                     "logprob_diff_by_step": parity.logprob_difference_by_step(o, r)})
+    (suite.root / "parity_concurrent.json").write_text(json.dumps(rows, indent=1))
+    print("\nconcurrent loads (8 at a time), largest logprob difference by step:")
+    for row in rows:
+        print(f"  {row['prompt']:>28} " + " ".join(f"{d:.2g}" for d in row["logprob_diff_by_step"]))
+    wrong = [r for r in rows if not r["first_step_agrees"]]
     assert not wrong, json.dumps(wrong, indent=1)
 
 

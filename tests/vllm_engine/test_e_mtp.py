@@ -7,12 +7,13 @@ layer 0), the GDN groups are regrouped around it (one padded), and every conv st
 A load must land where vLLM's kernels read it: the state after N-1 tokens in the request's first state
 block, conv columns [0, K-1).
 
-The criterion is the first decoded token: it comes from one forward over the loaded KV and state, and must
-be the same-split reference's (the model without MTP). Later tokens and every logprob are not compared bit
-for bit: a loaded request's first step verifies token N and a placeholder draft in one forward, where the
-reference computes token N alone, so the numerics differ slightly (recorded in mtp.json); a bit-equal MTP
-reference would have to schedule that step the same way. The control, a load whose state is left zero,
-must fail the criterion. A decode engine with MTP cannot read from a prefill engine without it.
+The criterion is the first step (``parity.first_step_agrees``): it comes from one forward over the loaded KV
+and state, and its token must be the same-split reference's (the model without MTP) with top logprobs
+within the tolerance. Later tokens are not compared bit for bit: a loaded request's first step verifies
+token N and a placeholder draft in one forward, where the reference computes token N alone, so the
+numerics differ by bf16 roundings (recorded in mtp.json; docs/vllm.md#batch-variance). The control, a load
+whose state is left zero, must fail the criterion: the same first token is possible by chance on a tiny
+model, its logprobs within the tolerance are not. A decode engine with MTP cannot read from a prefill engine without it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ def _rows(prefix_suite, split_reference, prompts):
     ours = parity.disaggregated(prefix_suite.mtp_prefill, prefix_suite.mtp_decode, prompts)
     return [{"n_minus_1": len(p) - 1, "ours": o.tokens, "same_split": split_reference[tuple(p)].tokens,
              "first_token_equal": o.tokens[:1] == split_reference[tuple(p)].tokens[:1],
+             "first_step_agrees": parity.first_step_agrees(o, split_reference[tuple(p)]),
              "tokens_equal": o.tokens == split_reference[tuple(p)].tokens,
              "first_step_logprob_diff": parity.largest_logprob_difference(o, split_reference[tuple(p)], 1)}
             for p, o in zip(prompts, ours, strict=True)]
@@ -42,14 +44,14 @@ def test_every_request_loaded_into_an_mtp_decode_engine_decodes_the_reference_fi
     print("\nMTP decode:", *(f"N-1={r['n_minus_1']} first token equal={r['first_token_equal']} all tokens equal="
                              f"{r['tokens_equal']} d1={r['first_step_logprob_diff']:.3g} ours={r['ours']} "
                              f"split={r['same_split']}" for r in rows), sep="\n  ")
-    wrong = [r for r in rows if not r["first_token_equal"]]
+    wrong = [r for r in rows if not r["first_step_agrees"]]
     assert not wrong, json.dumps(wrong, indent=1)
     assert prefix_suite.mtp_decode.metric("vllm:hybrid_transfer_reads_total") >= len(prompts)
 
 
 def test_an_mtp_load_with_its_state_left_zero_fails_the_criterion(prefix_suite, split_reference):
     [row] = _rows(prefix_suite, split_reference, [mtp_control_prompt(prefix_suite.block_size)])
-    assert not row["first_token_equal"], json.dumps(row, indent=1)
+    assert not row["first_step_agrees"], json.dumps(row, indent=1)
 
 
 def test_a_decode_engine_with_mtp_refuses_a_prefill_engine_without_it(prefix_suite):
