@@ -44,5 +44,5 @@ if [ "${ENGINE_SUITE:-1}" = "0" ]; then
 fi
 cpu_env=$(bash scripts/vllm_cpu_env.sh)
 start=$SECONDS
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$cpu_env/bin/python" -m pytest -q -p no:cacheprovider tests/vllm_engine
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" "$cpu_env/bin/python" -m pytest -q -p no:cacheprovider --durations=12 tests/vllm_engine  # durations: where its minutes go
 echo "test.sh: real-engine suite took $(( SECONDS - start )) s" >&2
