@@ -175,6 +175,33 @@ for stage in "$@"; do
                 SWEEP="--fragmentation 1" bench issue28_long_p2d8_131k $LONG --tokens 131072 --prefill-tp 2 \
                     --decode-tp 8 --mode auto --read-transport mapped --wide
             fi ;;
+        profile28)  # where the decode worker's time goes on the mapped path: one request, then 16 per step
+            # (benchmarks/request_overhead.py, unprofiled then under cProfile; whole profiles in $OUT for pstats)
+            for batch in 1 16; do
+                reps=$([ "$batch" = 1 ] && echo 30 || echo 10)
+                say "python3 benchmarks/request_overhead.py --device cuda --case p1d1 --batch $batch --reps $reps --read-transport mapped"
+                [ -n "${DRY_RUN:-}" ] && continue
+                python3 benchmarks/request_overhead.py --device cuda --case p1d1 --batch "$batch" --reps "$reps" \
+                    --read-transport mapped 2>&1 | tail -n 6
+                HT_OVERHEAD_PROFILE_OUT="$OUT/profile_b$batch" python3 benchmarks/request_overhead.py --device cuda \
+                    --case p1d1 --batch "$batch" --reps "$reps" --read-transport mapped --profile \
+                    > "$OUT/profile_b$batch.log" 2>&1
+                tail -n 6 "$OUT/profile_b$batch.log"
+            done
+            TAIL=60 SWEEP="--fragmentation 1" bench profile28_p1d1_conc1 --preset qwen3.5-397b-a17b --tokens 8192 \
+                --concurrency 1 --per-step 1 --requests 16 --rounds "${ROUNDS:-3}" --read-transport mapped \
+                --prefill-tp 1 --decode-tp 1 --mode coalesced --wide ;;
+        profile28b)  # the issue28a bench rows with every decode window under cProfile (hybrid_transfer/bench/worker.py:
+            # HT_BENCH_PROFILE), one round: the profiles and the garbage collector's passes, packed in one archive
+            rm -rf /tmp/bench_profiles; mkdir -p /tmp/bench_profiles
+            STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --per-step 16 --rounds 1 --read-transport mapped"
+            TAIL=12 HT_BENCH_PROFILE=/tmp/bench_profiles/step16 SWEEP="--sweep fragmentation --sweep-values 0,1" \
+                bench profile28_p1d1_step16 $STEP16 --concurrency 32 --requests 48 --prefill-tp 1 --decode-tp 1 \
+                --mode coalesced --wide
+            TAIL=12 HT_BENCH_PROFILE=/tmp/bench_profiles/conc1 SWEEP="--fragmentation 1" bench profile28b_p1d1_conc1 \
+                --preset qwen3.5-397b-a17b --tokens 8192 --concurrency 1 --per-step 1 --requests 16 --rounds 1 \
+                --read-transport mapped --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
+            [ -z "${DRY_RUN:-}" ] && tar -C /tmp -czf "$OUT/bench_profiles.tgz" bench_profiles ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

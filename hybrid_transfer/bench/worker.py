@@ -28,6 +28,10 @@ from hybrid_transfer.errors import BenchError, ConfigError
 log = logging.getLogger(__name__)
 
 IDLE_POLL_S = 0.002  # wait for the next command between rounds of polling
+# Set to a path prefix, each decode rank profiles its engine windows' start_reads calls and every poll (empty ones
+# too) with cProfile and writes <prefix>.rank<R>.window<K>.<read transport>-<mode>-<requests> (pstats format).
+# A developer's tool: the profiler slows those calls down, so the run's figures are not the unprofiled ones.
+PROFILE_ENV = "HT_BENCH_PROFILE"
 STOP_GRACE_S = 10.0  # after Stop, how long a prefill rank still waits for outstanding frees
 
 
@@ -204,6 +208,7 @@ def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
 
     consumer = rank.consumer
     timer = time_nixl_calls(consumer)
+    profiler = _window_profiler()
     queue = collections.deque((it.request_id, decode_ticket(it.ticket), it.local_block_ids, it.num_tokens)
                               for it in cmd.items)
     in_flight: dict[str, tuple[float, float, int]] = {}
@@ -220,8 +225,12 @@ def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
             step = [queue.popleft() for _ in range(take)]
             nixl0 = timer.spent
             t0 = time.monotonic()
+            if profiler is not None:
+                profiler.enable()
             errors = consumer.start_reads([Read(ticket, local_ids, num_tokens)
                                            for _, ticket, local_ids, num_tokens in step])
+            if profiler is not None:
+                profiler.disable()
             t1 = time.monotonic()
             hook_s, hook_nixl_s, steps = hook_s + t1 - t0, hook_nixl_s + timer.spent - nixl0, steps + 1
             for (rid, _, _, num_tokens), error in zip(step, errors, strict=True):
@@ -230,7 +239,11 @@ def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
                 in_flight[rid] = (t0, t1, num_tokens)
         nixl0 = timer.spent
         c0 = time.monotonic()
+        if profiler is not None:
+            profiler.enable()
         results = consumer.poll()
+        if profiler is not None:
+            profiler.disable()
         c1 = time.monotonic()
         if not results:
             _wait(rank.setup.poll_sleep_s)
@@ -249,8 +262,57 @@ def run_engine(rank: _Rank, cmd: m.RunEngine) -> m.Reply:
                 gather_s=r.gather_s, query_s=r.query_s, scatter_s=r.scatter_s,
                 packed_sources=r.num_packed_sources, fallback_sources=r.num_fallback_sources,
                 t_read_done=r.posted_at + r.read_s if r.read_s > 0 else 0.0))
+    if profiler is not None:
+        _WINDOWS[0] += 1
+        config = consumer.config
+        path = (f"{os.environ[PROFILE_ENV]}.rank{rank.setup.tp_rank}.window{_WINDOWS[0]}"
+                f".{config.read_transport}-{config.mode.value}-{len(cmd.items)}")
+        profiler.dump_stats(path)
+        with open(f"{path}.gc", "w") as f:  # the garbage collector's passes in the window: they hit any call
+            f.write(f"{_GC.report()}\n")
     return m.Ran(ConsumerRun(rank.setup.tp_rank, tuple(timings), time.process_time() - cpu0,
                              hook_s=hook_s, hook_nixl_s=hook_nixl_s, steps=steps))
+
+
+_WINDOWS = [0]  # engine windows this process has profiled (PROFILE_ENV)
+
+
+def _window_profiler():
+    """A cProfile.Profile when PROFILE_ENV is set (every poll is profiled, empty ones too), else None."""
+    if not os.environ.get(PROFILE_ENV):
+        return None
+    import cProfile
+    import gc
+
+    if _GC.callback not in gc.callbacks:
+        gc.callbacks.append(_GC.callback)
+    _GC.reset()
+    return cProfile.Profile()
+
+
+class _GcTimes:
+    """Seconds and passes of the garbage collector per generation (gc.callbacks), for the profile's sidecar."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seconds, self.passes, self._start = [0.0, 0.0, 0.0], [0, 0, 0], 0.0
+
+    def callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            g = info["generation"]
+            self.seconds[g] += time.perf_counter() - self._start
+            self.passes[g] += 1
+
+    def report(self) -> str:
+        pairs = enumerate(zip(self.passes, self.seconds, strict=True))
+        return " ".join(f"gen{g}: {n} passes {1e3 * t:.3f} ms" for g, (n, t) in pairs)
+
+
+_GC = _GcTimes()
 
 
 def plan_times(rank: _Rank, cmd: m.PlanTimes) -> m.Reply:
