@@ -162,6 +162,10 @@ for stage in "$@"; do
                 [ -z "${DRY_RUN:-}" ] && python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py 2>&1 | tail -n 6
                 SWEEP="--sweep fragmentation --sweep-values 0,1" bench issue28_p1d1_step16 $STEP16 \
                     --concurrency "${I28_CONC:-32}" --requests 48 --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
+                # The same with 64 requests (4 steps a window, 108.7 GiB with --verify; 80 do not fit one H200): the
+                # window's first start_reads overlaps no copy, and a longer window pays it over more steps.
+                SWEEP="--fragmentation 0" bench issue28_p1d1_step16_64 $STEP16 \
+                    --concurrency "${I28_CONC:-32}" --requests 64 --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
                 SWEEP="--fragmentation 1" bench issue28_p1d1_conc1 --preset qwen3.5-397b-a17b --tokens 8192 \
                     --concurrency 1 --per-step 1 --requests 16 --rounds "${ROUNDS:-3}" --read-transport mapped \
                     --prefill-tp 1 --decode-tp 1 --mode coalesced --wide

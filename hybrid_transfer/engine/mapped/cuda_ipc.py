@@ -25,6 +25,7 @@ import time
 import msgspec
 import numpy as np
 
+from hybrid_transfer.engine.mapped.host_copy import element_bytes
 from hybrid_transfer.errors import MappingError, UnsupportedError
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,11 @@ class RangeCopier:
             raise UnsupportedError(f"the mapped GPU path needs Triton: {exc}") from exc
         self._torch = torch
         self.device = torch.device(device)
+        self._index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         self._stream = torch.cuda.Stream(device=self.device)
+        # Marks what the caller's stream had queued at each copy; one event serves every copy, since a wait
+        # takes the record made just before it.
+        self._caller_done = torch.cuda.Event()
         self.chunk_bytes = int(chunk_bytes)  # bytes per kernel program (benchmarks/mapped_copy.py --chunk-kib)
         # (pinned table, its numpy view, device table, event) in use, oldest first
         self._slots: collections.deque = collections.deque()
@@ -162,8 +167,6 @@ class RangeCopier:
     def copy(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray):
         """Queue every range on the copier's stream in one launch; the event recorded after it."""
         torch = self._torch
-        from hybrid_transfer.engine.mapped.host_copy import element_bytes
-
         t0 = time.perf_counter()
         keep = lengths > 0
         if not keep.all():
@@ -174,20 +177,38 @@ class RangeCopier:
         t1 = t2 = time.perf_counter()
         event = torch.cuda.Event()
         # After what the caller's stream queued (an engine step writing these blocks, say), never before it.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            if n:
-                pinned, pinned_np, table_dev = self._slot(n)
-                pinned_np[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
-                table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
-                t2 = time.perf_counter()
-                self._kernel[(n,)](table_dev, n, BLOCK=BLOCK, WIDTH=width)
-                self.launches += 1
-            event.record(self._stream)
+        caller = torch.cuda.current_stream(self._index)
+        self._caller_done.record(caller)
+        self._stream.wait_event(self._caller_done)
+        # The kernel goes on the copier's stream, which Triton takes as the current one. Setting it directly
+        # costs less than torch's stream context, which is only needed when another device is current.
+        if torch.cuda.current_device() == self._index:
+            torch.cuda.set_stream(self._stream)
+            try:
+                t2 = self._queue(table, n, width, event)
+            finally:
+                torch.cuda.set_stream(caller)
+        else:
+            with torch.cuda.stream(self._stream):
+                t2 = self._queue(table, n, width, event)
         self.last_split = (t1 - t0, t2 - t1, time.perf_counter() - t2)
         if n:
             self._slots[-1] = (*self._slots[-1][:3], event)
         return event
+
+    def _queue(self, table: np.ndarray, n: int, width: int, event) -> float:
+        """Upload the table, launch the kernel and record ``event``, on the current stream (the copier's);
+        returns when the upload was queued (perf_counter)."""
+        t2 = time.perf_counter()
+        if n:
+            pinned, pinned_np, table_dev = self._slot(n)
+            pinned_np[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
+            table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
+            t2 = time.perf_counter()
+            self._kernel[(n,)](table_dev, n, BLOCK=BLOCK, WIDTH=width)
+            self.launches += 1
+        event.record(self._stream)
+        return t2
 
     def _slot(self, n: int):
         """A pinned table, its numpy view and its device twin of at least ``n`` columns, not in use by a queued copy.
