@@ -54,6 +54,8 @@ def engine_env(extra: dict | None = None, *, defaults: bool = False) -> dict:
         # then lands on core 0, with the NIXL and UCX threads it starts (a first UCX endpoint took ~60 s
         # there). The suite's engines float instead, one OpenMP thread each, idle threads not spinning.
         "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+        # With the "uni" executor (EngineServer): vLLM's CPU platform keeps its worker process otherwise.
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HYBRID_TRANSFER_SECRET": SECRET,
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), str(HERE), env.get("PYTHONPATH", "")) if p),
     })
@@ -68,6 +70,11 @@ def kv_config(role: str, *, policy: str = "fail", module: str | None = None, ext
     if module is not None:
         cfg.update(kv_connector="FaultyHybridConnector", kv_connector_module_path=module)
     return cfg
+
+
+# Top logprobs asked for per step: five, so a first-step comparison still covers the runners-up when two of them
+# tie (a tiny random model ties often) and the two runs rank them differently (parity.first_step_agrees).
+TOP_LOGPROBS = 5
 
 
 class EngineError(RuntimeError):
@@ -92,7 +99,11 @@ class EngineServer:
                # A step holds every admitted prompt whole (8 x the model length): vLLM's CPU server defaults to
                # 2,048, and a prompt then chunked at wherever the step's budget ran out computes its state in
                # other pieces than the parity reference does (seen once: N-1 = 588, logprobs off by 0.004).
-               "--max-num-batched-tokens", "8192", *(args or [])]
+               "--max-num-batched-tokens", "8192",
+               # The model runs in the engine-core process (with VLLM_ENABLE_V1_MULTIPROCESSING=0 in engine_env):
+               # two processes per engine instead of three, so each start imports vLLM twice, not three times
+               # (a third of a start on a 2-core host; docs/vllm.md#real-engines).
+               "--distributed-executor-backend", "uni", *(args or [])]
         if not prefix_caching:
             cmd.append("--no-enable-prefix-caching")
         if kv is not None:
@@ -129,7 +140,7 @@ class EngineServer:
             return exc.code, json.loads(exc.read() or b"{}")
 
     def complete(self, prompt: list[int], *, max_tokens: int = 8, kv_transfer_params: dict | None = None,
-                 logprobs: int = 2) -> dict:
+                 logprobs: int = TOP_LOGPROBS) -> dict:
         """One greedy completion of token ids; raises EngineError on an error status."""
         body = completion_body(prompt, max_tokens=max_tokens, kv_transfer_params=kv_transfer_params,
                                logprobs=logprobs)
@@ -172,7 +183,7 @@ class EngineServer:
 
 
 def completion_body(prompt: list[int], *, max_tokens: int = 8, kv_transfer_params: dict | None = None,
-                    logprobs: int = 2, stream: bool = False) -> dict:
+                    logprobs: int = TOP_LOGPROBS, stream: bool = False) -> dict:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
             "logprobs": logprobs, "stream": stream}
     if kv_transfer_params is not None:

@@ -66,6 +66,7 @@ def test_concurrent_loads_decode_their_first_token_as_the_same_split(suite, spli
         r = split_reference[tuple(prompt)]
         rows.append({"prompt": name, "ours": o.tokens, "same_split": r.tokens,
                      "first_step_agrees": parity.first_step_agrees(o, r),
+                     "first_step_shared_diff": parity.shared_logprob_difference(o, r),
                      "logprob_diff_by_step": parity.logprob_difference_by_step(o, r)})
     (suite.root / "parity_concurrent.json").write_text(json.dumps(rows, indent=1))
     print("\nconcurrent loads (8 at a time), largest logprob difference by step:")

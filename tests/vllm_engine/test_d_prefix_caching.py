@@ -3,7 +3,7 @@
 One conversation runs turn by turn (one request at a time) through the prefill and decode engines of
 ``PrefixSuite`` and, the same turns in the same order, through the aggregated reference with prefix
 caching on, whose chunks end where the prefill engine's do (split_scheduler.AlignedSplitScheduler). Every
-turn must decode exactly as the reference (greedy tokens and top-2 logprobs bit-equal), and every load
+turn must decode exactly as the reference (greedy tokens and top-5 logprobs bit-equal), and every load
 must move exactly the attention bytes past the decode engine's local hit plus the state:
 
 - turn 1 (N-1 = B, one whole block): nothing cached anywhere; decode loads everything, and the state it
