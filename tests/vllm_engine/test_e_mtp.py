@@ -37,8 +37,10 @@ def _rows(prefix_suite, split_reference, prompts):
             for p, o in zip(prompts, ours, strict=True)]
 
 
-def test_every_request_loaded_into_an_mtp_decode_engine_decodes_the_reference_first_token(prefix_suite,
-                                                                                           split_reference):
+# split_reference before prefix_suite in each signature: pytest sets fixtures up in that order, and the reference
+# needs the first engine set, which prefix_suite closes (so this file also runs alone).
+def test_every_request_loaded_into_an_mtp_decode_engine_decodes_the_reference_first_token(split_reference,
+                                                                                           prefix_suite):
     prompts = [p for name, p in parity.prompt_set(prefix_suite.block_size).items() if name in NAMES]
     rows = _rows(prefix_suite, split_reference, prompts)
     (prefix_suite.prefill.log_path.parent / "mtp.json").write_text(json.dumps(rows, indent=1))
@@ -50,7 +52,7 @@ def test_every_request_loaded_into_an_mtp_decode_engine_decodes_the_reference_fi
     assert prefix_suite.mtp_decode.metric("vllm:hybrid_transfer_reads_total") >= len(prompts)
 
 
-def test_an_mtp_load_with_its_state_left_zero_fails_the_criterion(prefix_suite, split_reference):
+def test_an_mtp_load_with_its_state_left_zero_fails_the_criterion(split_reference, prefix_suite):
     [row] = _rows(prefix_suite, split_reference, [mtp_control_prompt(prefix_suite.block_size)])
     assert not row["first_step_agrees"], json.dumps(row, indent=1)
 

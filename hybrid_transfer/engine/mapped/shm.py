@@ -8,12 +8,17 @@ the name finds it. The name is a handle: it goes out only inside an authenticate
 
 Lifetime: the segment's name is removed when the cache's ``SharedSegments`` is closed or collected, or
 at interpreter exit; mappings already open stay valid until closed. A producer killed with SIGKILL
-leaves its segments behind in /dev/shm (``sweep_orphans`` removes those of dead processes).
+leaves its segments behind in /dev/shm. While a segment's name exists its creator holds a shared
+``flock`` on it (the kernel drops the lock when the process dies, in whatever PID namespace it ran), and
+``sweep_orphans`` removes only segments whose creator's pid is gone here and whose lock nobody holds. A
+process's first allocation sweeps, so a crashed run's segments do not outlive the next one
+(docs/security.md#mapped-reads).
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import mmap
 import os
@@ -43,22 +48,23 @@ class SharedSegments:
     def __init__(self, nbytes: int, count: int):
         if not isinstance(nbytes, int) or nbytes <= 0:
             raise ConfigError(f"nbytes={nbytes!r} must be a positive integer", field="nbytes", value=nbytes)
+        _sweep_once()
         self.names: list[str] = []
         self._maps: list[mmap.mmap] = []
+        fds: list[int] = []  # held open while the names exist: each carries the creator's shared flock
         try:
             for _ in range(count):
                 name = f"ht-{os.getpid()}-{secrets.token_hex(16)}"
-                fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o600)
+                fds.append(fd)
                 self.names.append(name)
-                try:
-                    os.ftruncate(fd, nbytes)
-                    self._maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
-                finally:
-                    os.close(fd)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                os.ftruncate(fd, nbytes)
+                self._maps.append(mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE))
         except OSError as exc:
-            _unlink(list(self.names))
+            _release(list(self.names), fds)
             raise MappingError(f"cannot create shared memory in {SHM_DIR}: {exc}", operation="allocate") from exc
-        self._finalizer = weakref.finalize(self, _unlink, list(self.names))
+        self._finalizer = weakref.finalize(self, _release, list(self.names), fds)
         atexit.register(self._finalizer)
 
     @property
@@ -68,6 +74,18 @@ class SharedSegments:
     def close(self) -> None:
         """Remove the segments' names (the tensors stay usable; no new mapping of them can open)."""
         self._finalizer()
+
+
+def _release(names: list[str], fds: list[int]) -> None:
+    """Remove the names, then drop the creator's locks (in that order: a sweeper never sees a lockless name of a
+    live cache)."""
+    _unlink(names)
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fds.clear()
 
 
 def _unlink(names: list[str]) -> None:
@@ -130,6 +148,36 @@ def sweep_orphans() -> list[str]:
             pass
         except PermissionError:
             continue
+        if _held(entry):
+            continue  # its creator lives on (another PID namespace sharing this /dev/shm, say)
         _unlink([entry])
         removed.append(entry)
     return removed
+
+
+def _held(name: str) -> bool:
+    """Whether some process holds the segment's flock (its creator, while the cache lives); True when unsure."""
+    try:
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # drops the probe's lock, if it got one
+    return False
+
+
+_SWEPT = [False]  # this process has swept (its first allocation does)
+
+
+def _sweep_once() -> None:
+    if _SWEPT[0]:
+        return
+    _SWEPT[0] = True
+    removed = sweep_orphans()
+    if removed:
+        log.warning("removed %d shared-memory segments of dead processes from %s (a crashed run's caches)",
+                    len(removed), SHM_DIR)
