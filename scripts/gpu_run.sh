@@ -5,7 +5,8 @@
 #                                      token sweep), two-gpu (needs two GPUs: prefill on 0, decode on 1),
 #                                      issue20 (issue 20's one-H200 goal rows: issue20a then issue20b, one device call each),
 #                                      mapped-pytest (tests/gpu: the mapped path over CUDA IPC), issue28 (issue 28's
-#                                      one-H200 rows: issue28a then issue28b, one device call each)
+#                                      one-H200 rows: issue28a then issue28b, one device call each), profile28 and
+#                                      profile28b (where the decode worker's time goes on the mapped path)
 #   DRY_RUN=1 bash scripts/gpu_run.sh STAGE...   prints every command a stage would run and runs none
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (built outside
 # this repository, plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
@@ -163,7 +164,8 @@ for stage in "$@"; do
                 SWEEP="--sweep fragmentation --sweep-values 0,1" bench issue28_p1d1_step16 $STEP16 \
                     --concurrency "${I28_CONC:-32}" --requests 48 --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
                 # The same with 64 requests (4 steps a window, 108.7 GiB with --verify; 80 do not fit one H200): the
-                # window's first start_reads overlaps no copy, and a longer window pays it over more steps.
+                # window's first start_reads overlaps no copy, and a longer window pays it over more steps (it did
+                # not raise the row: docs/benchmarks.md#issue-28-fourth).
                 SWEEP="--fragmentation 0" bench issue28_p1d1_step16_64 $STEP16 \
                     --concurrency "${I28_CONC:-32}" --requests 64 --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
                 SWEEP="--fragmentation 1" bench issue28_p1d1_conc1 --preset qwen3.5-397b-a17b --tokens 8192 \
@@ -197,7 +199,7 @@ for stage in "$@"; do
                 --prefill-tp 1 --decode-tp 1 --mode coalesced --wide ;;
         profile28b)  # the issue28a bench rows with every decode window under cProfile (hybrid_transfer/bench/worker.py:
             # HT_BENCH_PROFILE), one round: the profiles and the garbage collector's passes, packed in one archive
-            rm -rf /tmp/bench_profiles; mkdir -p /tmp/bench_profiles
+            [ -z "${DRY_RUN:-}" ] && { rm -rf /tmp/bench_profiles; mkdir -p /tmp/bench_profiles; }
             STEP16="--preset qwen3.5-397b-a17b --tokens 8192 --per-step 16 --rounds 1 --read-transport mapped"
             TAIL=12 HT_BENCH_PROFILE=/tmp/bench_profiles/step16 SWEEP="--sweep fragmentation --sweep-values 0,1" \
                 bench profile28_p1d1_step16 $STEP16 --concurrency 32 --requests 48 --prefill-tp 1 --decode-tp 1 \
@@ -205,7 +207,7 @@ for stage in "$@"; do
             TAIL=12 HT_BENCH_PROFILE=/tmp/bench_profiles/conc1 SWEEP="--fragmentation 1" bench profile28b_p1d1_conc1 \
                 --preset qwen3.5-397b-a17b --tokens 8192 --concurrency 1 --per-step 1 --requests 16 --rounds 1 \
                 --read-transport mapped --prefill-tp 1 --decode-tp 1 --mode coalesced --wide
-            [ -z "${DRY_RUN:-}" ] && tar -C /tmp -czf "$OUT/bench_profiles.tgz" bench_profiles ;;
+            if [ -z "${DRY_RUN:-}" ]; then tar -C /tmp -czf "$OUT/bench_profiles.tgz" bench_profiles; fi ;;
         *) echo "unknown stage $stage"; exit 2 ;;
     esac
 done

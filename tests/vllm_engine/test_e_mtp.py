@@ -9,11 +9,12 @@ block, conv columns [0, K-1).
 
 The criterion is the first step (``parity.first_step_agrees``): it comes from one forward over the loaded KV
 and state, and its token must be the same-split reference's (the model without MTP) with the logprobs of
-the top tokens both list within the tolerance (runners-up that tie may swap ranks). Later tokens are not compared bit for bit: a loaded request's first step verifies
-token N and a placeholder draft in one forward, where the reference computes token N alone, so the
-numerics differ by bf16 roundings (recorded in mtp.json; docs/vllm.md#batch-variance). The control, a load
-whose state is left zero, must fail the criterion: the same first token is possible by chance on a tiny
-model, its logprobs within the tolerance are not. A decode engine with MTP cannot read from a prefill engine without it.
+the top tokens both list within the tolerance (runners-up that tie may swap ranks). Later tokens are not
+compared bit for bit: a loaded request's first step verifies token N and a placeholder draft in one
+forward, where the reference computes token N alone, so the numerics differ by bf16 roundings (recorded in
+mtp.json; docs/vllm.md#batch-variance). The control, a load whose state is left zero, must fail the
+criterion: the same first token is possible by chance on a tiny model, its logprobs within the tolerance
+are not. A decode engine with MTP cannot read from a prefill engine without it.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ def test_every_request_loaded_into_an_mtp_decode_engine_decodes_the_reference_fi
     rows = _rows(prefix_suite, split_reference, prompts)
     (prefix_suite.prefill.log_path.parent / "mtp.json").write_text(json.dumps(rows, indent=1))
     print("\nMTP decode:", *(f"N-1={r['n_minus_1']} first token equal={r['first_token_equal']} all tokens equal="
-                             f"{r['tokens_equal']} d1={r['first_step_logprob_diff']:.3g} shared d1={r['first_step_shared_diff']:.3g} ours={r['ours']} "
+                             f"{r['tokens_equal']} d1={r['first_step_logprob_diff']:.3g} "
+                             f"shared d1={r['first_step_shared_diff']:.3g} ours={r['ours']} "
                              f"split={r['same_split']}" for r in rows), sep="\n  ")
     wrong = [r for r in rows if not r["first_step_agrees"]]
     assert not wrong, json.dumps(wrong, indent=1)
