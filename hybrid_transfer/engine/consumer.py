@@ -310,7 +310,7 @@ class Consumer(ProducerNotes):
         ticket = inputs.ticket(ticket)  # every field's type, range, size and address syntax (engine/inputs.py)
         if expected_state_position is not None:
             expected_state_position = inputs.count("expected_state_position", expected_state_position)
-        inputs.block_id_lists("local", local_block_ids_per_group)
+        proven = inputs.block_id_lists("local", local_block_ids_per_group)
         first_token = inputs.count("first_token", first_token)
         rid = ticket.request_id
         if expected_state_position is not None and ticket.state_position != expected_state_position:
@@ -322,7 +322,10 @@ class Consumer(ProducerNotes):
         self._check_addresses(ticket)
         if rid in self._requests:
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
-        ids = block_id_arrays("local", local_block_ids_per_group, len(self._kinds))
+        # The proven copy of the usual lists, kept as tuples (the request's own, and what the planner reads);
+        # anything else (arrays, a wrong group count) converts here, which raises what a bad one gets.
+        ids = proven if proven and len(proven) == len(self._kinds) else tuple(
+            tuple(arr.tolist()) for arr in block_id_arrays("local", local_block_ids_per_group, len(self._kinds)))
         # The MAC before any connect (docs/security.md#allowed-producers): an edited ticket never makes this
         # rank handshake with the addresses it names, so it cannot poison the link of the engine it names.
         digest = claims.digest_of(ticket)
@@ -330,8 +333,8 @@ class Consumer(ProducerNotes):
         known = self._peers.find(ticket.engine_key) if signed else None
         ready = known is not None and known.state is LinkState.READY and known.addresses == ticket.addresses
         if not ready:  # a ready link's planner validates both sides: each id is checked once
-            validate_block_ids("local", ids, self._kinds, ticket.num_tokens, self.geometry.block_size,
-                               self.cache.num_blocks, exact=False)
+            validate_block_ids("local", block_id_arrays("local", ids, len(self._kinds)), self._kinds,
+                               ticket.num_tokens, self.geometry.block_size, self.cache.num_blocks, exact=False)
         return read_batch.Checked(ticket, ids, signed, known, ready, digest, first_token)
 
     def _register(self, c: read_batch.Checked, plan: ReadPlan | Exception | None) -> tuple | None:
@@ -341,7 +344,7 @@ class Consumer(ProducerNotes):
         ticket, rid = c.ticket, c.ticket.request_id
         if rid in self._requests:  # listed twice in one step
             raise RequestStateError("is already being read", request_id=rid, state=self._requests[rid].state.value)
-        local = tuple(tuple(arr.tolist()) for arr in c.ids)
+        local = c.ids
         hit_blocks = c.first_token // self.geometry.block_size
         written = tuple(ids[hit_blocks:] if kind is LayerKind.ATTENTION else ids
                         for kind, ids in zip(self._kinds, local, strict=True)) if hit_blocks else local
@@ -600,9 +603,17 @@ class Consumer(ProducerNotes):
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
         elif req.state is ReadState.READING:
-            pack_error = self._pack.advance(req)  # pack: scatters staged sources whose READ is DONE
-            now = self._clock()  # on CPU that scatter ran inside the call: DONE is stamped after it
-            states = [self.reads.check(h) for h in req.handles]
+            pack, check = self._pack, self.reads.check
+            if pack.has_staged(req):
+                pack_error = pack.advance(req)  # pack: scatters staged sources whose READ is DONE
+                now = self._clock()  # on CPU that scatter ran inside the call: DONE is stamped after it
+                states = [check(h) for h in req.handles]
+            else:  # direct READs only: the pack reader just stamps the time they are all done
+                states = [check(h) for h in req.handles]
+                pack_error = None
+                if all(s is XferState.DONE for s in states):
+                    pack_error = pack.advance(req)
+                    now = self._clock()  # after the stamp, which DONE must not precede
             lost = next((a for a in req.awaiting_claims if self._is_lost(a)), None)
             if pack_error is not None:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)

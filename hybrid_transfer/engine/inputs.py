@@ -69,10 +69,14 @@ def engine_id(value: object) -> str:
     return value
 
 
-def block_id_lists(side: str, block_ids_per_group: object) -> None:
-    """Every group a flat sequence (or array) of integers; the planner's checks of counts and ranges follow."""
-    if _plain_id_lists(block_ids_per_group):
-        return
+def block_id_lists(side: str, block_ids_per_group: object) -> tuple[tuple[int, ...], ...] | None:
+    """Every group a flat sequence (or array) of integers; the planner's checks of counts and ranges follow.
+
+    Returns the groups as tuples of plain ints when the one-call check proved them (the usual lists: the
+    consumer keeps that copy instead of converting again), else None once the per-group checks pass."""
+    proven = _plain_id_lists(block_ids_per_group)
+    if proven:
+        return proven
     if type(block_ids_per_group) not in (list, tuple) and (isinstance(block_ids_per_group, (str, bytes)) or
                                                           not isinstance(block_ids_per_group, (Sequence, np.ndarray))):
         raise PlanError(f"{side} block ids must be one sequence of integers per cache group, got "
@@ -108,20 +112,20 @@ class _IdLists(msgspec.Struct, array_like=True):
     groups: tuple[tuple[_Int64, ...], ...]
 
 
-def _plain_id_lists(groups: object) -> bool:
-    """Lists (or tuples) of ints within int64, never a bool, proven by one msgspec call over every group.
+def _plain_id_lists(groups: object) -> tuple[tuple[int, ...], ...] | None:
+    """Lists (or tuples) of ints within int64, never a bool, proven by one msgspec call over every group: the
+    groups as that call's tuples of ints, else None.
 
     The usual local ids; anything else (numpy, a bool, an int past int64, a set) is False and the per-group
     loop finds and names it. msgspec also takes an int subclass (an IntEnum), as that loop does."""
     if type(groups) not in _LISTS or not _LISTS.issuperset(map(type, groups)):
-        return False  # msgspec would take a set for a tuple: the loop refuses one
+        return None  # msgspec would take a set for a tuple: the loop refuses one
     if sum(map(len, groups)) > MAX_TICKET_BLOCK_IDS:
-        return False  # msgspec copies what it proves: past this the loop's checks (which copy nothing) run
+        return None  # msgspec copies what it proves: past this the loop's checks (which copy nothing) run
     try:
-        msgspec.convert((groups,), _IdLists)
+        return msgspec.convert((groups,), _IdLists).groups
     except msgspec.ValidationError:
-        return False
-    return True
+        return None
 
 
 # ---- tickets (issue 19): what a client's request may make a consumer do is bounded here -----------------

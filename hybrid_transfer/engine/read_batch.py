@@ -48,7 +48,7 @@ class Checked(NamedTuple):
     """A request that passed its own checks (``Consumer._check``), not yet registered or planned."""
 
     ticket: wire.Ticket
-    ids: list  # local block ids per group, int64 arrays
+    ids: tuple  # local block ids per group, tuples of ints (checked by engine/inputs.py)
     signed: bool
     known: Any  # the EngineLink of the ticket's engine, or None
     ready: bool  # ``known`` is ready and at the ticket's addresses: plan now
@@ -91,14 +91,31 @@ def batch_plans(plans: Sequence[ReadPlan]) -> BatchPlan:
                 staged.append((i, src))
     reads = []
     for rank, members in parts.items():
-        local = np.concatenate([s.local_descs() for _, s in members]) if members else np.empty((0, 3), np.int64)
-        remote = np.concatenate([s.remote_descs() for _, s in members])
+        local, remote = _stacked_descs([s for _, s in members])
         rows, first = [], 0
         for i, s in members:
             rows.append((i, first, first + s.num_descriptors))
             first += s.num_descriptors
         reads.append(SourceBatch(rank, local, remote, tuple(rows)))
     return BatchPlan(tuple(plans), tuple(reads), tuple(staged))
+
+
+def _stacked_descs(sources: Sequence[SourcePlan]) -> tuple[np.ndarray, np.ndarray]:
+    """The sources' local and remote Nx3 rows, one after another: their columns joined, then stacked once."""
+    n = sum(int(s.length.shape[0]) for s in sources)
+    local, remote = np.empty((n, 3), np.int64), np.empty((n, 3), np.int64)
+    np.concatenate([s.local_addr for s in sources], out=local[:, 0])
+    np.concatenate([s.remote_addr for s in sources], out=remote[:, 0])
+    np.concatenate([s.length for s in sources], out=local[:, 1])
+    remote[:, 1] = local[:, 1]
+    devices = {(s.local_device, s.remote_device) for s in sources}
+    if len(devices) == 1:
+        ((local[:, 2], remote[:, 2]),) = devices
+    else:  # sources of one rank on other devices (not a layout the planner makes today)
+        counts = [int(s.length.shape[0]) for s in sources]
+        local[:, 2] = np.repeat([s.local_device for s in sources], counts)
+        remote[:, 2] = np.repeat([s.remote_device for s in sources], counts)
+    return local, remote
 
 
 def plan_batch(planner: Any, items: Sequence[tuple], mode: Any, cost: Any = None) -> BatchPlan:

@@ -135,6 +135,7 @@ class Planner:
         self._frames: dict[int, SegmentFrame] = {}
         # Per segment structure (last cut, mode, list lengths); a token end patches the last segment's lengths.
         self._recipes: dict[tuple, Recipe] = {}
+        self._plan_fields: dict[tuple, tuple[int, dict, int]] = {}  # _read_plan's per-shape numbers (bounded)
         self._packs: dict[tuple, PackRecipe | object] = {}  # per segment structure (or exact count) and source
         self._pack_seen: dict[tuple, None] = {}  # structures planned once in pack mode (insertion-ordered)
         self._pack_last: dict[tuple, PackRecipe] = {}  # a structure's recipe at the last count planned
@@ -381,15 +382,25 @@ class Planner:
 
     def _read_plan(self, sources: Sequence[SourcePlan | PackSourcePlan], num_tokens: int, mode: PlanMode,
                    first_token: int = 0) -> ReadPlan:
+        # A step's requests share their shape: the byte counts and source modes are worked out once per shape.
+        key = (num_tokens, mode, first_token, tuple((src.source_rank, type(src)) for src in sources))
+        got = self._plan_fields.get(key)
+        if got is None:
+            if len(self._plan_fields) >= _FRAME_CACHE_SIZE:
+                self._plan_fields.pop(next(iter(self._plan_fields)))
+            got = self._plan_fields[key] = (
+                self.planned_bytes(num_tokens, mode, first_token),
+                {src.source_rank: _mode_of(src, mode).value for src in sources},
+                self.expected_bytes(num_tokens, first_token))
+        planned, modes, valid = got
         return ReadPlan(
             decode_rank=self.local.tp_rank,
             mode=mode,
             sources=tuple(sources),
             notify=self._notify,
             num_tokens=num_tokens,
-            expected_bytes=self.planned_bytes(num_tokens, mode, first_token),
-            meta={"source_modes": {src.source_rank: _mode_of(src, mode).value for src in sources},
-                  "valid_bytes": self.expected_bytes(num_tokens, first_token), "kv_layout": self._kv_layout_name,
+            expected_bytes=planned,
+            meta={"source_modes": dict(modes), "valid_bytes": valid, "kv_layout": self._kv_layout_name,
                   "first_token": first_token},
         )
 

@@ -348,6 +348,12 @@ class PackReader:
                 step_to(source, SourceStep.DONE, req.request_id)
         return None
 
+    def has_staged(self, req: Any) -> bool:
+        """Whether ``advance`` has more to do for the request than stamp when its READs are all done: staged
+        sources to scatter, or an error to report (a direct request has neither)."""
+        track = self._tracks.get(req.request_id)
+        return track is not None and (bool(track.sources) or track.error is not None)
+
     def is_settled(self, req: Any) -> bool:
         """True when every staged source's bytes sit in their final place (direct ones are the consumer's)."""
         track = self._tracks.get(req.request_id)
