@@ -192,6 +192,8 @@ class Consumer(ProducerNotes):
         self._batched = self.config.read_batching == "per_step"  # docs/lifecycle.md#batched-reads
         self._outbox = read_batch.Outbox()  # per_step: completions leave as one Completions per agent per call
         self._ready: list = []  # per_step: (request, plan) linked during this poll, posted together at its end
+        # A post on GPU caches only queues the copy (a kernel, or UCX's cuda_ipc): a step's claims may follow it.
+        self.posts_queue_copies = on_gpu
 
     @property
     def cost_model(self) -> CostModel:

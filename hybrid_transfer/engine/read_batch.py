@@ -195,9 +195,13 @@ def send_claims(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]]) -> None:
 
 
 def post_step(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]], now: float) -> None:
-    """Post a step's admitted requests (each WAITING_PEER with its plan): claims first, then the READs.
+    """Post a step's admitted requests (each WAITING_PEER with its plan): the claims and the READs.
 
-    A request that is no longer waiting (ended meanwhile, or listed twice) is left out.
+    The claims leave before the READs where a post may copy the bytes inside the call (a CPU host): their
+    round trip then overlaps the copy. On a GPU every direct READ only queues its copy, so they are posted
+    first, which starts the copy sooner, and the claims follow before any staged read (docs/lifecycle.md#planned-trust).
+    Either way DONE waits for every confirmation. A request that is no longer waiting (ended meanwhile, or
+    listed twice) is left out, and one whose post failed claims nothing.
     """
     ready = list({id(req): (req, plan) for req, plan in ready if req.state is ReadState.WAITING_PEER}.values())
     if not ready:
@@ -208,14 +212,21 @@ def post_step(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]], now: float) 
         req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
         link = req.link.resolve()
         groups.setdefault(id(link), (link, []))[1].append((req, plan))
-    send_claims(consumer, ready)  # their round trip overlaps the posts (docs/lifecycle.md)
+    claims_first = not consumer.posts_queue_copies
+    if claims_first:
+        send_claims(consumer, ready)
     pack = consumer._pack
     for req, _ in ready:
         pack.on_post(req, now)
+    batches = []
     for link, group in groups.values():
         batch = batch_plans([plan for _, plan in group])
+        batches.append((link, group, batch))
         for read in batch.reads:
             _post_read(consumer, link.agents[read.source_rank], read, [req for req, _ in group], now)
+    if not claims_first:
+        send_claims(consumer, [(req, plan) for req, plan in ready if req.state is ReadState.READING])
+    for link, group, batch in batches:
         for i, src in batch.staged:
             req = group[i][0]
             if req.state is not ReadState.READING:

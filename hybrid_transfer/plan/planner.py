@@ -267,12 +267,17 @@ class Planner:
         out: list[ReadPlan | PlanError | None] = [None] * len(items)
         ok: list[int] = []
         reqs: list[_Request] = []
+        parsed = self._parse_lists(items, mode)
         for i, (local, remote, n, *first) in enumerate(items):
             try:
-                reqs.append(self._parse(local, remote, n, first[0] if first else 0, mode))
+                req = parsed[i] if parsed is not None else self._parse(local, remote, n, first[0] if first else 0,
+                                                                       mode)
+                if isinstance(req, PlanError):
+                    raise req
             except PlanError as exc:
                 out[i] = exc
                 continue
+            reqs.append(req)
             ok.append(i)
         if not self._ids_fine(reqs):
             keep = []
@@ -301,6 +306,45 @@ class Planner:
         parts = parts_l + parts_r
         ids = parts[0] if len(parts) == 1 else np.concatenate(parts) if parts else _EMPTY
         return _Request(count, first, ids, sum(local_lens), local_lens, remote_lens, local, remote)
+
+    def _parse_lists(self, items: Sequence[tuple], mode: PlanMode) -> list[_Request | PlanError] | None:
+        """``_parse`` of a whole step whose ids are all lists or tuples of plain ints (the consumer's proven
+        copies and the tickets'): every request's ids in one conversion. None when any request's are of
+        another form, or any id is not a plain int within int64 (each request is then parsed alone, which
+        names the fault)."""
+        groups = len(self._kinds)
+        heads: list[tuple | PlanError] = []
+        flat: list[int] = []
+        for local, remote, n, *first in items:
+            if type(local) not in _SEQUENCES or type(remote) not in _SEQUENCES or len(local) != groups \
+                    or len(remote) != groups or not _SEQUENCES.issuperset(map(type, local)) \
+                    or not _SEQUENCES.issuperset(map(type, remote)):
+                return None
+            try:
+                count = _token_count(n)
+                head: tuple | PlanError = (count, self._first_token(first[0] if first else 0, count, mode))
+            except PlanError as exc:
+                heads.append(exc)  # ``_parse`` checks the count and the first token before the ids
+                continue
+            local_lens, remote_lens = tuple(map(len, local)), tuple(map(len, remote))
+            heads.append((*head, local_lens, remote_lens, local, remote))
+            flat.extend(chain.from_iterable(local))
+            flat.extend(chain.from_iterable(remote))
+        if not plain_int64s(flat):
+            return None
+        ids = np.array(flat, dtype=np.int64) if flat else _EMPTY
+        out: list[_Request | PlanError] = []
+        at = 0
+        for head in heads:
+            if isinstance(head, PlanError):
+                out.append(head)
+                continue
+            count, first_token, local_lens, remote_lens, local, remote = head
+            local_len = sum(local_lens)
+            end = at + local_len + sum(remote_lens)
+            out.append(_Request(count, first_token, ids[at:end], local_len, local_lens, remote_lens, local, remote))
+            at = end
+        return out
 
     def _id_parts(self, side: str, block_ids: object) -> tuple[list[np.ndarray], tuple[int, ...]]:
         """A side's ids as int64 arrays whose concatenation is its groups' in group order, and each group's
