@@ -193,7 +193,7 @@ class Consumer(ProducerNotes):
         self._outbox = read_batch.Outbox()  # per_step: completions leave as one Completions per agent per call
         self._ready: list = []  # per_step: (request, plan) linked during this poll, posted together at its end
         # A post on GPU caches only queues the copy (a kernel, or UCX's cuda_ipc): a step's claims may follow it.
-        self.posts_queue_copies = on_gpu
+        self._posts_queue_copies = on_gpu
 
     @property
     def cost_model(self) -> CostModel:
@@ -614,7 +614,7 @@ class Consumer(ProducerNotes):
                 states = [check(h) for h in req.handles]
                 pack_error = None
                 if all(s is XferState.DONE for s in states):
-                    pack_error = pack.advance(req)
+                    pack.on_reads_done(req)
                     now = self._clock()  # after the stamp, which DONE must not precede
             lost = next((a for a in req.awaiting_claims if self._is_lost(a)), None)
             if pack_error is not None:

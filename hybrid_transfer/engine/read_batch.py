@@ -212,7 +212,7 @@ def post_step(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]], now: float) 
         req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
         link = req.link.resolve()
         groups.setdefault(id(link), (link, []))[1].append((req, plan))
-    claims_first = not consumer.posts_queue_copies
+    claims_first = not consumer._posts_queue_copies
     if claims_first:
         send_claims(consumer, ready)
     pack = consumer._pack

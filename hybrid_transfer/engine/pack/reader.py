@@ -354,6 +354,12 @@ class PackReader:
         track = self._tracks.get(req.request_id)
         return track is not None and (bool(track.sources) or track.error is not None)
 
+    def on_reads_done(self, req: Any) -> None:
+        """A direct request's READs are all DONE (the caller checked them): stamp that time once (``read_s``)."""
+        track = self._tracks.get(req.request_id)
+        if track is not None and track.read_done_at is None:
+            track.read_done_at = self._clock()
+
     def is_settled(self, req: Any) -> bool:
         """True when every staged source's bytes sit in their final place (direct ones are the consumer's)."""
         track = self._tracks.get(req.request_id)
