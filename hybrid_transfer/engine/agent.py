@@ -22,7 +22,6 @@ Hazards measured here (nixl 1.5.1, CPU DRAM, UCX shared memory):
 
 from __future__ import annotations
 
-import enum
 import importlib
 import logging
 import threading
@@ -38,6 +37,7 @@ from hybrid_transfer.engine.metrics import Histogram
 from hybrid_transfer.engine.nixl_install import quiet_by_default
 from hybrid_transfer.engine.poster import Poster
 from hybrid_transfer.errors import EngineError, PeerDisconnectedError
+from hybrid_transfer.identity_enum import IdentityEnum
 
 if TYPE_CHECKING:  # at run time any object with addr, length, device_id and is_cuda will do (no torch import)
     from hybrid_transfer.cache import Region
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 _CONFIG_LOCK = threading.Lock()
 
 
-class XferState(enum.Enum):
+class XferState(IdentityEnum):
     """One NIXL READ handle."""
 
     PROC = "PROC"

@@ -33,6 +33,7 @@ import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from hybrid_transfer.cache import HybridCache
 from hybrid_transfer.engine import auth, claims, inputs, metrics, read_batch, wire
@@ -351,7 +352,7 @@ class Consumer(ProducerNotes):
         written = tuple(ids[hit_blocks:] if kind is LayerKind.ATTENTION else ids
                         for kind, ids in zip(self._kinds, local, strict=True)) if hit_blocks else local
         owned = self._owned
-        if not all(owned.isdisjoint(group) for group in written):
+        if not owned.isdisjoint(chain.from_iterable(written)):
             busy = [b for group in written for b in group if b in owned]
             raise BlockBusyError(request_id=rid, block_ids=busy, owners=[self._owner_of(b) for b in busy])
         now = self._clock()
@@ -363,8 +364,7 @@ class Consumer(ProducerNotes):
                           changed_at=now, digest=c.digest,  # the MAC check's
                           first_token=c.first_token, written_block_ids=written)
         self._requests[rid] = req
-        for group in written:
-            owned.update(group)
+        owned.update(*written)
         if (rid, ticket.nonce) in self._tombstones:
             self._end(req, TicketRevokedError(request_id=rid, nonce=ticket.nonce), now, FailureCause.REVOKED)
         elif not c.signed:  # edited, or not signed under our secret: read nothing, connect nowhere
@@ -606,26 +606,28 @@ class Consumer(ProducerNotes):
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
         elif req.state is ReadState.READING:
             pack, check = self._pack, self.reads.check
-            if pack.has_staged(req):
+            staged = pack.has_staged(req)
+            if staged:
                 pack_error = pack.advance(req)  # pack: scatters staged sources whose READ is DONE
                 now = self._clock()  # on CPU that scatter ran inside the call: DONE is stamped after it
-                states = [check(h) for h in req.handles]
-            else:  # direct READs only: the pack reader just stamps the time they are all done
-                states = [check(h) for h in req.handles]
+            states = [check(h) for h in req.handles]
+            all_done = all(s is XferState.DONE for s in states)
+            if not staged:  # direct READs only: the pack reader just stamps the time they are all done
                 pack_error = None
-                if all(s is XferState.DONE for s in states):
+                if all_done:
                     pack.on_reads_done(req)
                     now = self._clock()  # after the stamp, which DONE must not precede
-            lost = next((a for a in req.awaiting_claims if self._is_lost(a)), None)
+            awaiting = req.awaiting_claims
+            lost = next((a for a in awaiting if self._is_lost(a)), None) if awaiting else None
             if pack_error is not None:
                 self._on_post_error(req, getattr(pack_error, "peer", None) or "?", pack_error, now)
-            elif XferState.ERR in states:
+            elif not all_done and XferState.ERR in states:
                 self._on_read_error(req, now)
             elif lost is not None:  # its bytes may be in place (a mapped copy ends in the call), its claim never
                 self._end(req, SourceLostError(request_id=req.request_id, agent=lost,
                                                detail=str(self._records[lost].error)), now, FailureCause.SOURCE_LOST)
-            elif (all(s is XferState.DONE for s in states) and self._pack.is_settled(req) and not len(self._inbox)
-                  and not req.awaiting_claims):
+            # A direct request has no staged source to settle (has_staged is False exactly then).
+            elif all_done and not awaiting and not len(self._inbox) and (not staged or pack.is_settled(req)):
                 self._complete(req, now)
             elif now >= req.deadline:
                 self._end(req, self._deadline_error(req), now, FailureCause.DEADLINE)
@@ -749,8 +751,7 @@ class Consumer(ProducerNotes):
             if req.state not in TERMINAL:
                 continue
             del self._requests[req.request_id]
-            for group in req.written_block_ids:
-                self._owned.difference_update(group)  # each was this request's alone (_register)
+            self._owned.difference_update(*req.written_block_ids)  # each was this request's alone (_register)
             results.append(ReadResult(req.request_id, req.state, req.written_block_ids, req.num_bytes,
                                       req.num_descriptors, req.started_at, req.changed_at, req.error, req.cause,
                                       **(req.result_fields or self._pack.result_fields(req.request_id))))

@@ -74,7 +74,7 @@ def bytes_agree(mode: PlanMode, moved: int, needed: int, packed: bool) -> bool:
     Coalesced reads move exactly the payload. Naive reads move whole pages (tails included) and
     staged (pack) reads may move a padded staging slot, so for those at least the payload.
     """
-    if PlanMode(mode) is PlanMode.COALESCED and not packed:
+    if (mode if type(mode) is PlanMode else PlanMode(mode)) is PlanMode.COALESCED and not packed:
         return moved == needed
     return moved >= needed
 

@@ -12,14 +12,14 @@ record at once, a consumer keeps it (with ``error``) so the requests that depend
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from hybrid_transfer.engine.auth import Link
 from hybrid_transfer.errors import RequestStateError
+from hybrid_transfer.identity_enum import IdentityEnum
 
 
-class PeerStage(enum.Enum):
+class PeerStage(IdentityEnum):
     HANDSHAKEN = "handshaken"  # the handshake was accepted; no Hello yet
     GREETED = "greeted"  # consumer side: our Hello went out, its Welcome has not come
     WELCOMED = "welcomed"  # Hello answered by a Welcome: READs may go between the two

@@ -30,7 +30,6 @@ kinds this rank can open; each source agent's transport is chosen once, when its
 
 from __future__ import annotations
 
-import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Sequence
@@ -50,6 +49,7 @@ from hybrid_transfer.errors import (
     HybridTransferError,
     WireDecodeError,
 )
+from hybrid_transfer.identity_enum import IdentityEnum
 from hybrid_transfer.layout.fingerprint import Fingerprint
 from hybrid_transfer.layout.model import ModelSpec
 from hybrid_transfer.plan.planner import Planner
@@ -62,7 +62,7 @@ BACKOFF_MAX_S = 30.0  # ... up to this; a failed link nobody asked for this long
 MISMATCH = "mismatch"  # the cause of a reply from another engine than the ticket named (never stored on a key)
 
 
-class LinkState(enum.Enum):
+class LinkState(IdentityEnum):
     HANDSHAKING = "handshaking"
     READY = "ready"
     FAILED = "failed"

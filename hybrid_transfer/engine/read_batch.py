@@ -184,7 +184,10 @@ def send_claims(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]]) -> None:
         link = req.link.resolve()
         t = req.ticket
         entry = wire.ClaimEntry(request_id=t.request_id, nonce=t.nonce, digest=req.digest or claims.digest_of(t))
-        for agent in dict.fromkeys(link.agents[src.source_rank] for src in plan.sources):
+        sources = plan.sources
+        agents = (link.agents[sources[0].source_rank],) if len(sources) == 1 else \
+            dict.fromkeys(link.agents[src.source_rank] for src in sources)
+        for agent in agents:
             req.awaiting_claims.add(agent)
             per_agent.setdefault(agent, []).append(entry)
     for agent, entries in per_agent.items():
@@ -207,9 +210,13 @@ def post_step(consumer: Any, ready: Sequence[tuple[Any, ReadPlan]], now: float) 
     if not ready:
         return
     groups: dict[int, tuple[Any, list]] = {}
+    pairs: dict[int, tuple] = {}  # id(plan.notify) -> its (source rank, expected consumers): a planner's plans share one
     for req, plan in ready:
         transition(req, ReadState.READING, now)
-        req.notify = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
+        notify = pairs.get(id(plan.notify))
+        if notify is None:
+            notify = pairs[id(plan.notify)] = tuple((n.source_rank, n.expected_consumers) for n in plan.notify)
+        req.notify = notify
         link = req.link.resolve()
         groups.setdefault(id(link), (link, []))[1].append((req, plan))
     claims_first = not consumer._posts_queue_copies

@@ -6,7 +6,6 @@ Qwen3-Next config is flat. Both shapes are accepted.
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Mapping
 from pathlib import Path
@@ -15,14 +14,15 @@ from typing import Any
 import msgspec
 
 from hybrid_transfer.errors import ConfigError
+from hybrid_transfer.identity_enum import IdentityEnum
 
 
-class LayerKind(enum.Enum):
+class LayerKind(IdentityEnum):
     ATTENTION = "full_attention"
     GDN = "linear_attention"
 
 
-class DType(enum.Enum):
+class DType(IdentityEnum):
     """Element types the cache may hold; value is the canonical name."""
 
     BF16 = "bfloat16"

@@ -263,7 +263,7 @@ class Planner:
         ``plan`` raises for that request alone. Every request's rows are built, and checked, in one numpy pass
         (plan/batch_rows.py); a step that pass does not clear is checked again per request for the exact error
         (plan/batch_checks.py)."""
-        mode = PlanMode(mode)
+        mode = mode if type(mode) is PlanMode else PlanMode(mode)
         out: list[ReadPlan | PlanError | None] = [None] * len(items)
         ok: list[int] = []
         reqs: list[_Request] = []

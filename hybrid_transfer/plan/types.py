@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybrid_transfer.identity_enum import IdentityEnum
 from hybrid_transfer.plan.stage_layout import StagedRead, StageLayout
 
 
-class PlanMode(enum.Enum):
+class PlanMode(IdentityEnum):
     # vLLM 0.33's own scheme, the baseline: one descriptor per (shared tensor, source kernel page, destination
     # kernel page) moving whole pages (tail of the last one included), and per GDN layer conv Q, K, V and ssm.
     NAIVE = "naive"

@@ -31,7 +31,6 @@ Rules:
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
@@ -40,9 +39,10 @@ from hybrid_transfer.engine.lifecycle.fences import StepFences
 from hybrid_transfer.engine.lifecycle.lease import LeaseBook
 from hybrid_transfer.engine.lifecycle.state import Hold, HoldState, transition
 from hybrid_transfer.errors import FenceError, HoldCapacityError, RequestStateError
+from hybrid_transfer.identity_enum import IdentityEnum
 
 
-class Heard(enum.Enum):
+class Heard(IdentityEnum):
     """What one consumer report did to its hold."""
 
     COUNTED = "counted"  # valid, the hold still waits for other consumer ranks

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybrid_transfer.errors import RequestStateError
+from hybrid_transfer.identity_enum import IdentityEnum
 
 
-class ReadState(enum.Enum):
+class ReadState(IdentityEnum):
     """A consumer request."""
 
     WAITING_PEER = "waiting_peer"  # the producer engine's handshake (or its welcome) is not finished
@@ -34,7 +35,7 @@ class ReadState(enum.Enum):
     ABORTED = "aborted"  # terminal: aborted by the embedder; nothing can write the local blocks any more
 
 
-class FailureCause(enum.Enum):
+class FailureCause(IdentityEnum):
     """Why a consumer request FAILED (ReadResult.cause)."""
 
     HANDSHAKE = "handshake"  # the producer engine could not be linked (refused, unreachable)
@@ -48,7 +49,7 @@ class FailureCause(enum.Enum):
     BYTE_COUNT = "byte_count"  # the READs moved other bytes than the layout says the request needs (engine/metrics.py)
 
 
-class HoldState(enum.Enum):
+class HoldState(IdentityEnum):
     """A producer request."""
 
     HELD = "held"  # blocks pinned, waiting for consumers

@@ -7,12 +7,11 @@ of passing silently.
 
 from __future__ import annotations
 
-import enum
-
 from hybrid_transfer.errors import RequestStateError
+from hybrid_transfer.identity_enum import IdentityEnum
 
 
-class SourceStep(enum.Enum):
+class SourceStep(IdentityEnum):
     WAITING = "waiting"  # for the source's Staged notification: where it staged the request
     READING = "reading"  # one READ of the plan's ranges of the source's staging is in flight
     SCATTERING = "scattering"  # the READ is DONE; the scatter into the local blocks runs
