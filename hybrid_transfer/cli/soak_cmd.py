@@ -39,6 +39,7 @@ def _rate(text: str) -> float:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from hybrid_transfer.engine.config import READ_TRANSPORTS
     from hybrid_transfer.soak import SoakSpec
 
     d = SoakSpec()
@@ -81,6 +82,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="hostile kv_transfer_params per live ticket in each forge round, in [0, 64]")
     parser.add_argument("--no-rival", action="store_true",
                         help="leave out the second consumer and its hostile params")
+    parser.add_argument("--read-transport", choices=READ_TRANSPORTS, default=d.read_transport,
+                        help="how the consumer reads: auto and mapped put the producer's cache in shared memory and "
+                             "copy over the mapping; nixl reads over NIXL (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=d.seed, help="random seed (non-negative)")
     add_json_option(parser, "the report as one JSON object")
     parser.set_defaults(handler=run)
@@ -96,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                     num_blocks=args.num_blocks, abort_rate=args.abort_rate, stall_rate=args.stall_rate,
                     replay_rate=args.replay_rate, edit_rate=args.edit_rate, lease_s=args.lease,
                     read_deadline_s=args.read_deadline, kills=not args.no_kills, auth=not args.no_auth,
-                    rival=not args.no_rival, hostile_params=args.hostile_params,
+                    rival=not args.no_rival, hostile_params=args.hostile_params, read_transport=args.read_transport,
                     seed=args.seed, log_level=args.log_level.upper()).validate()
     # With the JSON on stdout, the prefill and decode processes (which inherit fd 1) print to stderr.
     with stdout_to_stderr(json_to_stdout(args)):

@@ -30,6 +30,7 @@ class Setup(_Msg):
     heartbeat_s: float
     read_deadline_s: float
     log_level: str = "WARNING"
+    read_transport: str = "nixl"  # EngineConfig.read_transport; not "nixl": the producer's cache is shared memory
 
 
 class HoldItem(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

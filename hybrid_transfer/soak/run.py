@@ -30,6 +30,7 @@ from typing import TypeVar
 
 import msgspec
 
+from hybrid_transfer.engine.config import READ_TRANSPORTS
 from hybrid_transfer.engine.metrics import ConsumerMetrics, ProducerMetrics
 from hybrid_transfer.errors import BenchError, ConfigError
 from hybrid_transfer.plan.validate import expected_bytes
@@ -62,6 +63,9 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
     lease_s: float = 10.0  # long enough for a batch to be held and read on a busy host; stalls wait it out
     heartbeat_s: float = 0.5
     read_deadline_s: float = 10.0
+    # How the consumer reads (EngineConfig.read_transport): "auto" and "mapped" put the producer's cache in shared
+    # memory, so the consumer maps it and every READ is a copy over the mapping; "nixl" reads over NIXL.
+    read_transport: str = "auto"
     seed: int = 20261130
     log_level: str = "WARNING"
 
@@ -79,6 +83,8 @@ class SoakSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=
                 bad(name, "must be in [0, 0.3]")
         if not 0 <= self.hostile_params <= 64:
             bad("hostile_params", "must be in [0, 64]")
+        if self.read_transport not in READ_TRANSPORTS:
+            bad("read_transport", f"must be one of {list(READ_TRANSPORTS)}")
         if not 0 < self.heartbeat_s < self.lease_s:
             bad("heartbeat_s", "must be positive and shorter than the lease")
         geometry = geometry_of(self.model)
@@ -124,6 +130,8 @@ class SoakReport(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     elapsed_s: float
     auth: bool
     checks: dict[str, bool]
+    read_transport: str = "auto"  # the spec's
+    reads_by_transport: dict[str, int] = {}  # final consumer incarnation: READs posted over NIXL, over a mapping
 
     @property
     def ok(self) -> bool:
@@ -239,7 +247,8 @@ class Soak:
         ready = proc.call(m.Setup(prefill=prefill, model=s.model, num_blocks=s.num_blocks,
                                   engine_id=f"soak-{name}-{uuid.uuid4().hex[:6]}",
                                   incarnation=secrets.randbits(62), lease_s=s.lease_s, heartbeat_s=s.heartbeat_s,
-                                  read_deadline_s=s.read_deadline_s, log_level=s.log_level), m.Ready, 120.0)
+                                  read_deadline_s=s.read_deadline_s, log_level=s.log_level,
+                                  read_transport=s.read_transport), m.Ready, 120.0)
         return proc, ready
 
     def _start_producer(self) -> None:
@@ -508,6 +517,11 @@ class Soak:
                 and not any(k.startswith("params:") and "/done" in k for k in self.rival))
         if s.kills:
             checks["one kill and restart of each side"] = len(self.kills) == 2
+        mapped_reads = sum(n for kind, n in cm.reads_by_transport.items() if kind != "nixl")
+        if s.read_transport == "nixl":
+            checks["every READ over NIXL"] = mapped_reads == 0
+        elif cm.reads_by_transport:  # a consumer incarnation that read nothing (killed early) has no figures
+            checks["READs over the mapping (shared memory)"] = mapped_reads > 0
         return SoakReport(
             requests=s.requests,
             completed=sum(1 for o in outcomes if o.state == "done" and o.verified),
@@ -533,7 +547,7 @@ class Soak:
                              "p99_bucket": round(lat.quantile(0.99) * 1e3, 3),
                              "max": round(lat.max_s * 1e3, 3)},
             leases_expired=pm.leases_expired, reclaims=pm.reclaims, elapsed_s=round(elapsed_s, 1), auth=s.auth,
-            checks=checks)
+            checks=checks, read_transport=s.read_transport, reads_by_transport=dict(sorted(cm.reads_by_transport.items())))
 
 
 def _label(o: m.Outcome) -> str:
@@ -554,7 +568,8 @@ def render(report: SoakReport) -> str:
     """The report as the lines `hybrid-transfer soak` prints."""
     r = report
     lines = [
-        f"soak: {r.requests} requests in {r.elapsed_s} s, authentication {'on' if r.auth else 'OFF'}",
+        f"soak: {r.requests} requests in {r.elapsed_s} s, authentication {'on' if r.auth else 'OFF'}, "
+        f"read transport {r.read_transport}",
         f"  completed (DONE, bytes verified): {r.completed}",
         f"  failed by cause:                  {r.failed_by_cause}",
         f"  aborted:                          {r.aborted}",
@@ -576,6 +591,7 @@ def render(report: SoakReport) -> str:
         f"  handles leaked:                   {r.handles_leaked}",
         f"  RSS growth (KiB):                 {r.rss_growth_kib}",
         f"  post-to-DONE (ms):                {r.post_to_done_ms}",
+        f"  READs by transport:               {r.reads_by_transport} (last consumer incarnation)",
         f"  unfinished / reported twice:      {r.unfinished} / {r.reported_twice}",
         "checks:",
     ]

@@ -57,9 +57,11 @@ class Rank:
         torch.set_num_threads(1)  # thousands of tiny fills and checks: intra-op threads only add wake-ups
         self.setup = setup
         config = EngineConfig(lease_s=setup.lease_s, heartbeat_interval_s=setup.heartbeat_s,
-                              read_deadline_s=setup.read_deadline_s)
+                              read_deadline_s=setup.read_deadline_s, read_transport=setup.read_transport)
         self.config = config
-        self.cache = HybridCache.allocate(geometry_of(setup.model), setup.num_blocks)
+        # A producer's cache in shared memory can be mapped by the consumer on this host (docs/soak.md#transports).
+        self.cache = HybridCache.allocate(geometry_of(setup.model), setup.num_blocks,
+                                          shared=setup.prefill and setup.read_transport != "nixl")
         if setup.prefill:
             self.engine = Producer(self.cache, config, engine_id=setup.engine_id, incarnation=setup.incarnation)
             self.address = self.engine.address
@@ -237,7 +239,7 @@ class Rank:
         return m.FinalState(
             pinned_blocks=e.num_held_blocks if prefill else 0, held_requests=e.num_held_requests if prefill else 0,
             quarantined_blocks=0 if prefill else e.num_quarantined_blocks, active=0 if prefill else e.num_active,
-            live_handles=e.agent.num_live_handles, rss_kib=rss_kib(), rss_start_kib=self.rss_start,
+            live_handles=e.agent.num_live_handles if prefill else e.num_live_handles, rss_kib=rss_kib(), rss_start_kib=self.rss_start,
             metrics=msgspec.msgpack.encode(e.metrics()), terminal=dict(e.terminal_counts),
             rival=self._rival_report(), rival_state=self.rival.state() if self.rival is not None else {})
 
