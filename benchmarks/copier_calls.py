@@ -90,7 +90,11 @@ def main() -> None:
     timed("ctx + triton launch", launch)
     timed("chunk_table 120 ranges", lambda: cuda_ipc.chunk_table(table[1][:120], table[0][:120], table[2][:120]))
     copier = cuda_ipc.RangeCopier(dev)
-    timed("RangeCopier.copy 100 ranges", lambda: copier.copy(table[1], table[0], table[2]))
+    print(f"the probe reads the table in place: {copier.table_in_place}")
+    for in_place in (False, True):
+        c = cuda_ipc.RangeCopier(dev, table_in_place=in_place)
+        timed(f"RangeCopier.copy 100 ranges, table {'in place' if in_place else 'uploaded'}",
+              lambda c=c: c.copy(table[1], table[0], table[2]))
     torch.cuda.synchronize()
     print("triton", triton.__version__, "torch", torch.__version__)
     try:

@@ -6,7 +6,8 @@
 #                                      issue20 (issue 20's one-H200 goal rows: issue20a then issue20b, one device call each),
 #                                      mapped-pytest (tests/gpu: the mapped path over CUDA IPC), issue28 (issue 28's
 #                                      one-H200 rows: issue28a then issue28b, one device call each), profile28 and
-#                                      profile28b (where the decode worker's time goes on the mapped path)
+#                                      profile28b (where the decode worker's time goes on the mapped path), copier28
+#                                      (what each call inside the mapped path's copier costs, both table paths)
 #   DRY_RUN=1 bash scripts/gpu_run.sh STAGE...   prints every command a stage would run and runs none
 # Needs the CPython 3.12 wheels of nixl, nixl-cu13, msgspec and pyzmq in .whl/ (built outside
 # this repository, plus the pure-Python nixl wheel). Writes JSON, plots and logs under $OUT (default ./out).
@@ -149,6 +150,8 @@ for stage in "$@"; do
                         --engines "$engines" 2>&1 | tail -n 6
                 done
             fi ;;
+        copier28) say "python3 benchmarks/copier_calls.py"  # each call inside RangeCopier.copy, and both table paths
+            [ -n "${DRY_RUN:-}" ] || python3 benchmarks/copier_calls.py 2>&1 | tail -n 30 ;;
         mapped-pytest) say "python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py"
             python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py 2>&1 | tail -n 25 ;;
         issue28|issue28a|issue28b)  # issue 28's rows on one H200: the mapped path beside NIXL and the ceiling, 3 rounds, verified

@@ -10,10 +10,13 @@ The copy, chosen by the copy-path figures measured on one H200 (docs/benchmarks.
 cudaMemcpyBatchAsync costs about 5 us of CPU per range (no better than UCX's cuda_ipc), a gather kernel
 over a table of chunks about 0.4 us per range when 16 requests go in one launch, at 0.91-0.99 of a
 contiguous copy's bandwidth. So ``RangeCopier`` splits every range into chunks of at most
-``CHUNK_BYTES`` (numpy), writes the (src, dst, bytes) table into pinned memory, copies it up on its own
-stream, launches one Triton kernel (one program per chunk) and records an event: the worker thread's
-work per step is that, nothing per range in Python. The kernel uses SMs of the decode GPU while it runs
-(the copy engines are not used).
+``CHUNK_BYTES`` (numpy), writes the (src, dst, bytes) table into pinned memory, launches one Triton kernel
+(one program per chunk) on its own stream and records an event: the worker thread's work per step is
+that, nothing per range in Python. The kernel reads the table where it lies: with unified addressing a
+pinned host allocation is addressable from the GPU at its host address, so the table's upload (one more
+torch call, about 18 us on the H200 host) is not needed. Where that does not hold (the copier's probe at
+start fails), the table is copied up first, as before. The kernel uses SMs of the decode GPU while it
+runs (the copy engines are not used).
 """
 
 from __future__ import annotations
@@ -143,7 +146,9 @@ def chunk_table(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, chunk: in
 class RangeCopier:
     """One consumer's gather kernel over mapped GPU memory, on its own stream; ``copy`` returns an event."""
 
-    def __init__(self, device, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(self, device, chunk_bytes: int = CHUNK_BYTES, table_in_place: bool | None = None):
+        """``table_in_place``: the kernel reads the chunk table from pinned host memory (True) or from a device
+        copy of it (False); None probes once which works here (``_probe_in_place``)."""
         import torch
 
         try:
@@ -163,6 +168,7 @@ class RangeCopier:
         self.launches = 0
         # Worker-thread seconds of the last copy: (chunk table, upload, kernel launch and event), for the bench.
         self.last_split = (0.0, 0.0, 0.0)
+        self.table_in_place = self._probe_in_place() if table_in_place is None else bool(table_in_place)
 
     def copy(self, dst: np.ndarray, src: np.ndarray, lengths: np.ndarray):
         """Queue every range on the copier's stream in one launch; the event recorded after it."""
@@ -203,9 +209,10 @@ class RangeCopier:
         if n:
             pinned, pinned_np, table_dev = self._slot(n)
             pinned_np[:3 * n] = table.reshape(-1)  # [src..., dst..., bytes...], what the kernel reads
-            table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
+            if table_dev is not None:
+                table_dev[:3 * n].copy_(pinned[:3 * n], non_blocking=True)
             t2 = time.perf_counter()
-            self._kernel[(n,)](table_dev, n, BLOCK=BLOCK, WIDTH=width)
+            self._kernel[(n,)](pinned if table_dev is None else table_dev, n, BLOCK=BLOCK, WIDTH=width)
             self.launches += 1
         event.record(self._stream)
         return t2
@@ -231,10 +238,38 @@ class RangeCopier:
         if slot is None:
             cap = max(n, 1 << 15)
             pinned = torch.empty(3 * cap, dtype=torch.int64, pin_memory=True)
-            # The numpy view is made once per table, not per copy.
-            slot = (pinned, pinned.numpy(), torch.empty(3 * cap, dtype=torch.int64, device=self.device))
+            # The numpy view is made once per table, not per copy; a table read in place has no device twin.
+            slot = (pinned, pinned.numpy(),
+                    None if self.table_in_place else torch.empty(3 * cap, dtype=torch.int64, device=self.device))
         self._slots.append((*slot, None))
         return slot
 
     def synchronize(self) -> None:
         self._stream.synchronize()
+
+    def _probe_in_place(self) -> bool:
+        """Whether the kernel can read its table from pinned host memory here: one small copy through a pinned
+        table, its bytes compared. Triton checks every pointer argument before it launches, so a table the GPU
+        cannot address is refused there (no kernel runs); the upload is used then, and after any mismatch."""
+        torch = self._torch
+        try:
+            with torch.cuda.device(self.device):
+                src = torch.arange(1 << 14, dtype=torch.int32, device=self.device)
+                dst = torch.zeros_like(src)
+                size = src.numel() * 4
+                lengths = np.array([size // 2, size // 2], np.int64)
+                offsets = np.array([0, size // 2], np.int64)
+                table = chunk_table(dst.data_ptr() + offsets[::-1], src.data_ptr() + offsets, lengths)
+                pinned = torch.empty(table.size, dtype=torch.int64, pin_memory=True)
+                pinned.numpy()[:] = table.reshape(-1)
+                with torch.cuda.stream(self._stream):
+                    self._kernel[(table.shape[1],)](pinned, table.shape[1], BLOCK=BLOCK, WIDTH=8)
+                self._stream.synchronize()
+                half = src.numel() // 2  # the two halves were swapped
+                ok = bool(torch.equal(dst[:half], src[half:]) and torch.equal(dst[half:], src[:half]))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            log.info("the copier's kernel cannot read its table from pinned host memory (%s): uploading it", exc)
+            return False
+        if not ok:
+            log.warning("a copy through a pinned table moved wrong bytes: the copier uploads its tables")
+        return ok
