@@ -280,3 +280,20 @@ def test_auto_on_a_mapped_link_plans_direct_where_nixl_would_pack():
     assert MAPPED_GPU_COST.choose_all(counts, nbytes) is PlanMode.COALESCED
     with pytest.raises(ValueError):
         preset_for(True, "rdma")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 5_000), min_size=0, max_size=40), st.integers(1, 1_500))
+def test_the_copiers_chunk_table_covers_each_range_exactly_in_chunks_of_at_most_the_chunk(lengths, chunk):
+    from hybrid_transfer.engine.mapped.cuda_ipc import chunk_table
+
+    n = len(lengths)
+    lengths_a = np.asarray(lengths, np.int64)
+    src = np.arange(n, dtype=np.int64) * 10_000 + 7
+    dst = np.arange(n, dtype=np.int64) * 10_000 + 3_000_000
+    table = chunk_table(dst, src, lengths_a, chunk)
+    assert table.shape[0] == 3 and table.dtype == np.int64
+    # The oracle: walk each range in steps of ``chunk``.
+    want = [(s + o, d + o, min(chunk, n_ - o)) for s, d, n_ in zip(src.tolist(), dst.tolist(), lengths, strict=True)
+            for o in range(0, n_, chunk)]
+    assert [tuple(c) for c in table.T.tolist()] == want

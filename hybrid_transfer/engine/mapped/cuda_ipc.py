@@ -132,14 +132,16 @@ def _kernel():
 def chunk_table(dst: np.ndarray, src: np.ndarray, lengths: np.ndarray, chunk: int = CHUNK_BYTES) -> np.ndarray:
     """The (src, dst, bytes) rows of every chunk of at most ``chunk`` bytes, as a 3 x N int64 array."""
     nchunks = (lengths + chunk - 1) // chunk
-    total = int(nchunks.sum())
-    idx = np.repeat(np.arange(lengths.shape[0]), nchunks)
-    first = np.cumsum(nchunks) - nchunks
-    off = (np.arange(total) - np.repeat(first, nchunks)) * chunk
+    if lengths.shape[0] and nchunks.max() == 1:  # every range one chunk: the table is the ranges themselves
+        return np.stack((src, dst, lengths)).astype(np.int64, copy=False)
+    ends = np.cumsum(nchunks)
+    total = int(ends[-1]) if ends.shape[0] else 0
+    # Each chunk's offset in its range: its index less its range's first chunk index, times the chunk size.
+    off = (np.arange(total, dtype=np.int64) - np.repeat(ends - nchunks, nchunks)) * chunk
     out = np.empty((3, total), np.int64)
-    np.add(src[idx], off, out=out[0])
-    np.add(dst[idx], off, out=out[1])
-    np.minimum(chunk, lengths[idx] - off, out=out[2])
+    np.add(np.repeat(src, nchunks), off, out=out[0])
+    np.add(np.repeat(dst, nchunks), off, out=out[1])
+    np.minimum(chunk, np.repeat(lengths, nchunks) - off, out=out[2])
     return out
 
 
