@@ -22,6 +22,7 @@ runs (the copy engines are not used).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 
@@ -98,6 +99,7 @@ class IpcMapping:
         self._storage = None
 
 
+@functools.cache  # one JIT function a process: its compiled variants serve every copier (a consumer per link)
 def _kernel():
     import triton
     import triton.language as tl
@@ -250,25 +252,30 @@ class RangeCopier:
         self._stream.synchronize()
 
     def _probe_in_place(self) -> bool:
-        """Whether the kernel can read its table from pinned host memory here: one small copy through a pinned
-        table, its bytes compared. Triton checks every pointer argument before it launches, so a table the GPU
-        cannot address is refused there (no kernel runs); the upload is used then, and after any mismatch."""
+        """Whether the kernel can read its table from pinned host memory here: a small copy through a pinned
+        table with each element width, its bytes compared. Triton checks every pointer argument before it
+        launches, so a table the GPU cannot address is refused there (no kernel runs); the upload is used then,
+        and after any mismatch. Each width is compiled (or loaded from Triton's cache) here, at the link's
+        start: a width first met inside a step would cost that step tens of milliseconds."""
         torch = self._torch
+        ok = True
         try:
             with torch.cuda.device(self.device):
                 src = torch.arange(1 << 14, dtype=torch.int32, device=self.device)
-                dst = torch.zeros_like(src)
                 size = src.numel() * 4
                 lengths = np.array([size // 2, size // 2], np.int64)
                 offsets = np.array([0, size // 2], np.int64)
-                table = chunk_table(dst.data_ptr() + offsets[::-1], src.data_ptr() + offsets, lengths)
-                pinned = torch.empty(table.size, dtype=torch.int64, pin_memory=True)
-                pinned.numpy()[:] = table.reshape(-1)
-                with torch.cuda.stream(self._stream):
-                    self._kernel[(table.shape[1],)](pinned, table.shape[1], BLOCK=BLOCK, WIDTH=8)
-                self._stream.synchronize()
-                half = src.numel() // 2  # the two halves were swapped
-                ok = bool(torch.equal(dst[:half], src[half:]) and torch.equal(dst[half:], src[:half]))
+                half = src.numel() // 2
+                for width in (8, 4, 2, 1):
+                    dst = torch.zeros_like(src)
+                    table = chunk_table(dst.data_ptr() + offsets[::-1], src.data_ptr() + offsets, lengths)
+                    pinned = torch.empty(table.size, dtype=torch.int64, pin_memory=True)
+                    pinned.numpy()[:] = table.reshape(-1)
+                    with torch.cuda.stream(self._stream):
+                        self._kernel[(table.shape[1],)](pinned, table.shape[1], BLOCK=BLOCK, WIDTH=width)
+                    self._stream.synchronize()
+                    # The two halves were swapped.
+                    ok = ok and bool(torch.equal(dst[:half], src[half:]) and torch.equal(dst[half:], src[:half]))
         except (RuntimeError, ValueError, TypeError) as exc:
             log.info("the copier's kernel cannot read its table from pinned host memory (%s): uploading it", exc)
             return False
