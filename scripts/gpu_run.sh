@@ -150,6 +150,10 @@ for stage in "$@"; do
                         --engines "$engines" 2>&1 | tail -n 6
                 done
             fi ;;
+        issue28-p1d1)  # issue28a's first row only (P1->D1 16 per step, frag 0 and 1): a check of one change
+            bench issue28_p1d1_step16 --preset qwen3.5-397b-a17b --tokens 8192 --per-step 16 --rounds ${ROUNDS:-3} \
+                --read-transport mapped --concurrency "${I28_CONC:-32}" --requests 48 --prefill-tp 1 --decode-tp 1 \
+                --mode coalesced ;;
         copier28) say "python3 benchmarks/copier_calls.py"  # each call inside RangeCopier.copy, and both table paths
             [ -n "${DRY_RUN:-}" ] || python3 benchmarks/copier_calls.py 2>&1 | tail -n 30 ;;
         mapped-pytest) say "python3 -m pytest -q -rs -x tests/gpu tests/engine/test_mapped_units.py"

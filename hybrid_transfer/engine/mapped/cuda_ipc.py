@@ -271,6 +271,8 @@ class RangeCopier:
                     table = chunk_table(dst.data_ptr() + offsets[::-1], src.data_ptr() + offsets, lengths)
                     pinned = torch.empty(table.size, dtype=torch.int64, pin_memory=True)
                     pinned.numpy()[:] = table.reshape(-1)
+                    # src and dst were filled on the current stream, the kernel runs on the copier's: wait for them.
+                    torch.cuda.synchronize(self.device)
                     with torch.cuda.stream(self._stream):
                         self._kernel[(table.shape[1],)](pinned, table.shape[1], BLOCK=BLOCK, WIDTH=width)
                     self._stream.synchronize()
