@@ -92,6 +92,28 @@ def test_json_fp8(capsys, tp, block):
     assert (doc["kv_dtype"], doc["block_size"]) == ("fp8_e4m3", block)
 
 
+# docs/layout.md#draft-layers: Qwen3-Next-80B-A3B with one MTP layer and s = 1, per TP rank.
+@pytest.mark.parametrize(("tp", "block", "state"), [(1, 544, 40_108_032), (2, 544, 20_054_016), (4, 272, 10_027_008),
+                                                    (8, 144, 5_013_504)])
+def test_json_draft_layers_and_speculative_slots(capsys, tp, block, state):
+    doc = run_json(capsys, "--preset", "qwen3-next-80b-a3b", "--tp", str(tp), "--draft-layers", "1",
+                   "--speculative-slots", "1")
+    assert (doc["draft_layers"], doc["speculative_slots"], doc["num_tensors"]) == (1, 1, 13)
+    assert (doc["block_size"], doc["state_bytes_per_request"]) == (block, state)
+    plain = run_json(capsys, "--preset", "qwen3-next-80b-a3b", "--tp", str(tp))
+    assert "draft_layers" not in plain and plain["num_tensors"] == 12
+
+
+def test_table_names_the_draft_layers(capsys):
+    assert main(["layout", "--preset", "qwen3-next-80b-a3b", "--draft-layers", "1", "--speculative-slots", "2"]) == 0
+    assert "MTP draft layers 1, speculative slots 2 (conv window" in capsys.readouterr().out
+
+
+def test_negative_draft_layers_exit_2_naming_the_value(capsys):
+    assert main(["layout", "--preset", "qwen3-next-80b-a3b", "--draft-layers", "-1"]) == 2
+    assert "draft_layers=-1" in capsys.readouterr().err
+
+
 def test_json_rank_selects_one(capsys):
     doc = run_json(capsys, "--preset", "qwen3.5-27b", "--tp", "8", "--rank", "5")
     assert (doc["tp_rank"], doc["kv_heads"], doc["kv_heads_replicated"]) == (5, [2, 3], True)

@@ -44,6 +44,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="block size alignment in tokens for page-size unification")
     parser.add_argument("--kernel-block-size", type=int, default=None, metavar="K",
                         help="attention kernel block size in tokens; None means the logical block size")
+    parser.add_argument("--draft-layers", type=int, default=0, metavar="D",
+                        help="MTP speculative decoding: the draft module's attention layers, cached after the model's "
+                             "(docs/layout.md#draft-layers)")
+    parser.add_argument("--speculative-slots", type=int, default=0, metavar="S",
+                        help="MTP speculative tokens: each GDN layer's conv window widens from w-1 to w-1+S")
     add_kv_layout(parser)
     add_json_option(parser, "one JSON object")
     parser.set_defaults(handler=run)
@@ -57,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         alignment=args.alignment,
         kernel_block_size=args.kernel_block_size,
         kv_layout=parse_kv_layout(args.kv_layout),
+        draft_layers=args.draft_layers,
+        speculative_slots=args.speculative_slots,
     )
     ranks = rank_figures(model, args.tp, options, args.rank)
     print(render_table(model, ranks), file=table_stream(args))
@@ -85,6 +92,9 @@ def render_table(model: ModelSpec, ranks: list[dict]) -> str:
         f"ssm {first['ssm_dtype']}, KV layout {first['kv_layout']}, conv layout {first['conv_layout']}, "
         f"kernel block {first['kernel_block_size']} (ratio {first['kernel_ratio']})"
     )
+    if first.get("draft_layers") or first.get("speculative_slots"):
+        header += (f", MTP draft layers {first['draft_layers']}, speculative slots {first['speculative_slots']} "
+                   f"(conv window {first['conv_window']})")
     columns = ("rank", "KV heads", "KV B/token/FA layer", "conv B/GDN layer", "ssm B/GDN layer",
                "state B/request", "state MiB", "block tokens", "page B", "tensors")
     rows = [columns]
